@@ -1,0 +1,56 @@
+"""Time of one collective, from a hardware profile. Pure functions.
+
+nccl-tests (doc/PERFORMANCE.md) defines for a collective of ``size`` bytes on n ranks taking t:
+algbw = size / t and busbw = algbw * factor, with factor (n-1)/n for all-gather (size = output)
+and reduce-scatter (size = input) and 2(n-1)/n for all-reduce. Inverting gives the ring model
+t = latency + size * factor / busbw; busbw is the per-rank link bandwidth a ring achieves.
+"""
+
+import math
+
+import numpy as np
+
+from sim.profile import CollectiveCurve, HardwareProfile, LinkModel
+from sim.topology import GroupShape
+
+
+def bus_factor(collective: str, group_size: int) -> float:
+    """nccl-tests' busbw/algbw ratio: the fraction of ``size`` each rank sends over its link."""
+    n = group_size
+    if collective == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def wire_bytes_per_rank(collective: str, size_bytes: int, group_size: int) -> float:
+    """Bytes each rank sends in a ring implementation (e.g. all-gather: size*(n-1)/n)."""
+    return size_bytes * bus_factor(collective, group_size)
+
+
+def alpha_beta_time_s(collective: str, size_bytes: int, group_size: int, link: LinkModel) -> float:
+    return link.latency_s + wire_bytes_per_rank(collective, size_bytes, group_size) / link.bus_bw_Bps
+
+
+def _curve_time_s(curve: CollectiveCurve, size_bytes: int) -> float:
+    """Interpolate the measured medians in log-size/log-time; the α–β fit outside the range."""
+    sizes = curve.sizes_bytes
+    if len(sizes) == 1 or not sizes[0] <= size_bytes <= sizes[-1]:
+        return alpha_beta_time_s(curve.collective, size_bytes, curve.group_size, curve.fit)
+    log_t = np.interp(math.log(size_bytes), np.log(sizes), np.log(curve.times_s))
+    return float(math.exp(log_t))
+
+
+def collective_time_s(
+    collective: str, size_bytes: int, group: GroupShape, dtype: str, profile: HardwareProfile
+) -> float:
+    """Seconds for one collective of nccl-tests ``size_bytes`` over ``group``; 0 for a group of one."""
+    if group.size <= 1 or size_bytes <= 0:
+        return 0.0
+    launch = profile.backend.collective_launch_s
+    curve = profile.curve(collective, group.size, dtype, group.spans_nodes)
+    if curve is not None:
+        return launch + _curve_time_s(curve, size_bytes)
+    link = profile.inter_node if group.spans_nodes else profile.intra_node
+    return launch + alpha_beta_time_s(collective, size_bytes, group.size, link)

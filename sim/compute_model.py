@@ -1,0 +1,187 @@
+"""Time and activation memory of the computation, per segment. Pure functions of a profile.
+
+Without calibration, an op takes flops / (peak * efficiency) + memory_bytes / HBM bandwidth
+(a roofline sum: matmuls are compute-bound, norms and activations memory-bound); backward is
+twice forward (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters", Sec. 5.1). A ``compute`` section in the profile (written by ``calibrate compute``)
+replaces these with measurements: each group (embedding, decoder block, head) is scaled so that
+its total equals the measured time or bytes, which keeps the split between the ops of a group
+(needed for ``linear`` wrapping) from the analytic model.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim.errors import UserError
+from sim.layers import CalibrationGroup, LayerOp
+from sim.model import ModelConfig
+from sim.profile import HardwareProfile
+from sim.units import Segment
+
+# Bytes AdamW and SGD-with-momentum move per fp32 element: AdamW reads param, grad, exp_avg,
+# exp_avg_sq and writes param, exp_avg, exp_avg_sq (7 x 4 B); SGD reads param, grad, momentum
+# and writes param, momentum (5 x 4 B).
+OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 28, "sgd": 20, "none": 0}
+SCALED_QUANTITIES = ("forward", "backward", "recompute", "saved", "forward_transient", "backward_transient")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupScale:
+    """Measured / analytic ratios for one calibration group (1.0 everywhere when uncalibrated)."""
+
+    forward: float = 1.0
+    backward: float = 1.0
+    recompute: float = 1.0
+    saved: float = 1.0
+    forward_transient: float = 1.0
+    backward_transient: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeCosts:
+    """The compute cost model for one scenario on one profile."""
+
+    peak_flops: float
+    efficiency: float
+    hbm_bandwidth_Bps: float
+    copy_Bps: float
+    optimizer_s_per_element: float
+    scales: Mapping[CalibrationGroup, GroupScale] = field(default_factory=dict)
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.scales)
+
+    def op_forward_s(self, op: LayerOp) -> float:
+        """Uncalibrated forward time of one op (roofline sum)."""
+        return op.flops / (self.peak_flops * self.efficiency) + op.memory_bytes / self.hbm_bandwidth_Bps
+
+    def _scale(self, op: LayerOp, quantity: str) -> float:
+        return getattr(self.scales.get(op.group, GroupScale()), quantity)
+
+    def forward_s(self, seg: Segment) -> float:
+        return sum(self.op_forward_s(op) * self._scale(op, "forward") for op in seg.ops)
+
+    def backward_s(self, seg: Segment) -> float:
+        return sum(2.0 * self.op_forward_s(op) * self._scale(op, "backward") for op in seg.ops)
+
+    def recompute_s(self, seg: Segment) -> float:
+        return sum(self.op_forward_s(op) * self._scale(op, "recompute") for op in seg.ops)
+
+    def saved_bytes(self, seg: Segment) -> int:
+        return round(sum(op.saved_bytes * self._scale(op, "saved") for op in seg.ops))
+
+    def forward_transient_bytes(self, seg: Segment) -> int:
+        """Ops run one after another, so a segment's transient is its largest op's."""
+        return round(max(op.forward_transient_bytes * self._scale(op, "forward_transient") for op in seg.ops))
+
+    def backward_transient_bytes(self, seg: Segment) -> int:
+        return round(max(op.backward_transient_bytes * self._scale(op, "backward_transient") for op in seg.ops))
+
+    def copy_s(self, nbytes: float) -> float:
+        """A device-to-device copy of ``nbytes`` (FSDP2 all-gather copy-out, reduce-scatter copy-in)."""
+        return nbytes / self.copy_Bps
+
+    def optimizer_s(self, numel: int) -> float:
+        return numel * self.optimizer_s_per_element
+
+
+def check_compute_matches(
+    compute: Mapping[str, Any], model: ModelConfig, micro_batch: int, seq_len: int, param_dtype: str, where: str
+) -> None:
+    """Refuse per-unit measurements taken at other dimensions than the scenario's."""
+    dims = compute.get("model", {})
+    expected = {
+        "n_layers": model.n_layers,
+        "hidden": model.hidden,
+        "n_heads": model.n_heads,
+        "n_kv_heads": model.n_kv_heads,
+        "ffn_hidden": model.ffn_hidden,
+        "vocab": model.vocab,
+    }
+    wrong = [f"model.{k}={dims.get(k)!r} (scenario: {v})" for k, v in expected.items() if dims.get(k) != v]
+    for key, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("param_dtype", param_dtype)):
+        if compute.get(key) != value:
+            wrong.append(f"{key}={compute.get(key)!r} (scenario: {value})")
+    if wrong:
+        raise UserError(
+            f"{where}: its compute measurements were taken at other dimensions: {'; '.join(wrong)}. "
+            "Run `fsdpsim calibrate compute` for this scenario, or drop the compute section to use the analytic model"
+        )
+
+
+def _group_ops(ops: list[LayerOp], group: CalibrationGroup) -> list[LayerOp]:
+    """One instance of ``group``: the embedding, the first decoder block, or the head."""
+    return [op for op in ops if op.group is group and op.block in (None, 0)]
+
+
+def _ratio(measured: float, analytic: float) -> float:
+    return measured / analytic if analytic > 0 else 1.0
+
+
+def _group_scale(costs: ComputeCosts, members: list[LayerOp], measured: Mapping[str, Any], where: str) -> GroupScale:
+    def number(key: str) -> float:
+        value = measured.get(key, 0.0)
+        if not isinstance(value, int | float) or value < 0:
+            raise UserError(f"{where}: compute unit field {key} must be a number >= 0, got {value!r}")
+        return float(value)
+
+    fwd = sum(costs.op_forward_s(op) for op in members)
+    recompute = number("recompute_s")
+    return GroupScale(
+        forward=_ratio(number("forward_s"), fwd),
+        backward=_ratio(number("backward_s"), 2.0 * fwd),
+        recompute=_ratio(recompute, fwd) if recompute > 0 else _ratio(number("forward_s"), fwd),
+        saved=_ratio(number("saved_activation_bytes"), sum(op.saved_bytes for op in members)),
+        forward_transient=_ratio(
+            number("forward_transient_bytes"), max(op.forward_transient_bytes for op in members)
+        ),
+        backward_transient=_ratio(
+            number("backward_transient_bytes"), max(op.backward_transient_bytes for op in members)
+        ),
+    )
+
+
+def build_compute_costs(
+    profile: HardwareProfile,
+    ops: list[LayerOp],
+    *,
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    param_dtype: str,
+    optimizer: str,
+) -> ComputeCosts:
+    """The cost model for ``param_dtype`` work on ``profile``, calibrated when the profile has a compute section."""
+    device, where = profile.device, f"profile {profile.name}"
+    if param_dtype not in device.peak_flops:
+        raise UserError(f"{where}: device.peak_flops has no {param_dtype} entry; has: {', '.join(device.peak_flops)}")
+    costs = ComputeCosts(
+        peak_flops=device.peak_flops[param_dtype],
+        efficiency=device.compute_efficiency,
+        hbm_bandwidth_Bps=device.hbm_bandwidth_Bps,
+        copy_Bps=device.hbm_bandwidth_Bps / 2.0,  # a copy reads and writes every byte
+        optimizer_s_per_element=OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / device.hbm_bandwidth_Bps,
+    )
+    compute = profile.compute
+    if compute is None:
+        return costs
+    check_compute_matches(compute, model, micro_batch, seq_len, param_dtype, where)
+    units = compute.get("units", {})
+    scales = {}
+    for group in CalibrationGroup:
+        if group.value not in units:
+            raise UserError(f"{where}: compute.units.{group.value} is missing")
+        scales[group] = _group_scale(costs, _group_ops(ops, group), units[group.value], where)
+    per_param = compute.get("optimizer_s_per_param", {})
+    optimizer_s = float(per_param.get(optimizer, costs.optimizer_s_per_element)) if optimizer != "none" else 0.0
+    copy_Bps = float(compute.get("copy_Bps", costs.copy_Bps))
+    return ComputeCosts(
+        peak_flops=costs.peak_flops,
+        efficiency=costs.efficiency,
+        hbm_bandwidth_Bps=costs.hbm_bandwidth_Bps,
+        copy_Bps=copy_Bps,
+        optimizer_s_per_element=optimizer_s,
+        scales=scales,
+    )

@@ -1,0 +1,47 @@
+"""Ranks, nodes and process groups: who takes part in each collective.
+
+Ranks are laid out node-major (rank r lives on node r // gpus_per_node), as torchrun assigns them.
+HYBRID_SHARD shards within consecutive blocks of ``shard_size`` ranks and replicates across them,
+like ``init_device_mesh(("replicate", "shard"))``.
+"""
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class GroupKind(StrEnum):
+    SHARD = "shard"  # all-gather / reduce-scatter group (the world unless HYBRID_SHARD)
+    REPLICATE = "replicate"  # HYBRID_SHARD all-reduce group; NO_SHARD's all-reduce group is the world
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupShape:
+    """What a collective's cost depends on: how many ranks, and whether the ring leaves a node."""
+
+    size: int
+    spans_nodes: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    world_size: int
+    gpus_per_node: int
+    shard_size: int  # = world_size for FULL_SHARD / SHARD_GRAD_OP; 1 for NO_SHARD
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def members(self, kind: GroupKind, rank: int) -> tuple[int, ...]:
+        s = self.shard_size
+        if kind is GroupKind.SHARD:
+            start = rank - rank % s
+            return tuple(range(start, start + s))
+        return tuple(range(rank % s, self.world_size, s))
+
+    def group_id(self, kind: GroupKind, rank: int) -> tuple[str, int]:
+        """A key equal on every member of the group and different across groups of this kind."""
+        return kind.value, self.members(kind, rank)[0]
+
+    def shape(self, kind: GroupKind, rank: int = 0) -> GroupShape:
+        members = self.members(kind, rank)
+        return GroupShape(size=len(members), spans_nodes=len({self.node_of(r) for r in members}) > 1)
