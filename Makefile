@@ -1,0 +1,38 @@
+# fsdp-sim: `make run` and `make test` work from a fresh clone with only Python 3.11.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+# The CPU wheel of torch 2.13.0 lies on this machine's disk; pyproject.toml accepts a range.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+SCENARIO ?= scenarios/llama2-7b-8xh100-zero3.toml
+
+.PHONY: install run test lint bench validate clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+install: $(BIN)/.installed
+
+run: install
+	$(BIN)/fsdpsim run $(SCENARIO) --timeline out/step.html --trace out/step.json
+
+lint: install
+	$(BIN)/ruff check sim calibrate tests bench
+	$(BIN)/ruff format --check sim calibrate tests bench
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python -m bench
+
+validate: install
+	$(BIN)/fsdpsim validate --matrix --out VALIDATION.md
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache *.egg-info
