@@ -13,7 +13,10 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         "schema_version": 1,
         "name": "h100-sxm",
         "calibrated": False,
-        "source": {"method": "datasheet", "note": "NVIDIA H100 Tensor Core GPU datasheet; DGX H100 user guide"},
+        "source": {
+            "method": "datasheet",
+            "note": "NVIDIA H100 Tensor Core GPU datasheet; DGX H100 user guide",
+        },
         "device": {
             "name": "NVIDIA H100 80GB HBM3 (SXM5)",
             # nvidia-smi reports 81,559 MiB total on an H100 SXM5 80GB.
@@ -48,7 +51,10 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         "schema_version": 1,
         "name": "a100-sxm-80g",
         "calibrated": False,
-        "source": {"method": "datasheet", "note": "NVIDIA A100 Tensor Core GPU datasheet; DGX A100 user guide"},
+        "source": {
+            "method": "datasheet",
+            "note": "NVIDIA A100 Tensor Core GPU datasheet; DGX A100 user guide",
+        },
         "device": {
             "name": "NVIDIA A100-SXM4-80GB",
             # nvidia-smi reports 81,920 MiB total on an A100 SXM4 80GB.

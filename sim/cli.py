@@ -6,14 +6,14 @@ User mistakes print one line on stderr and exit with code 2; nothing half-writte
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sim.errors import UserError
 from sim.io import write_text_atomic
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_run(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     run = sub.add_parser("run", help="simulate one training step of a scenario")
     run.add_argument("scenario", help="scenario TOML file (see scenarios/)")
     run.add_argument(
@@ -43,7 +43,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from sim.timeline import write_timeline_html
 
         write_timeline_html(
-            result.events, args.timeline, title=f"{args.scenario}", device_memory_bytes=result.report["device_memory_bytes"]
+            result.events,
+            args.timeline,
+            title=f"{args.scenario}",
+            device_memory_bytes=result.report["device_memory_bytes"],
         )
         print(f"timeline written to {args.timeline}", file=sys.stderr)
     if args.trace:
@@ -95,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _guard(lambda: commands[args.command](args))
 
 
-def _guard(action) -> int:  # type: ignore[no-untyped-def]
+def _guard(action: Callable[[], int]) -> int:
     try:
         return int(action())
     except UserError as e:

@@ -77,7 +77,9 @@ class ComputeCosts:
         return round(max(op.forward_transient_bytes * self._scale(op, "forward_transient") for op in seg.ops))
 
     def backward_transient_bytes(self, seg: Segment) -> int:
-        return round(max(op.backward_transient_bytes * self._scale(op, "backward_transient") for op in seg.ops))
+        return round(
+            max(op.backward_transient_bytes * self._scale(op, "backward_transient") for op in seg.ops)
+        )
 
     def copy_s(self, nbytes: float) -> float:
         """A device-to-device copy of ``nbytes`` (FSDP2 all-gather copy-out, reduce-scatter copy-in)."""
@@ -88,7 +90,12 @@ class ComputeCosts:
 
 
 def check_compute_matches(
-    compute: Mapping[str, Any], model: ModelConfig, micro_batch: int, seq_len: int, param_dtype: str, where: str
+    compute: Mapping[str, Any],
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    param_dtype: str,
+    where: str,
 ) -> None:
     """Refuse per-unit measurements taken at other dimensions than the scenario's."""
     dims = compute.get("model", {})
@@ -120,7 +127,9 @@ def _ratio(measured: float, analytic: float) -> float:
     return measured / analytic if analytic > 0 else 1.0
 
 
-def _group_scale(costs: ComputeCosts, members: list[LayerOp], measured: Mapping[str, Any], where: str) -> GroupScale:
+def _group_scale(
+    costs: ComputeCosts, members: list[LayerOp], measured: Mapping[str, Any], where: str
+) -> GroupScale:
     def number(key: str) -> float:
         value = measured.get(key, 0.0)
         if not isinstance(value, int | float) or value < 0:
@@ -156,7 +165,9 @@ def build_compute_costs(
     """The cost model for ``param_dtype`` work on ``profile``, calibrated when the profile has a compute section."""
     device, where = profile.device, f"profile {profile.name}"
     if param_dtype not in device.peak_flops:
-        raise UserError(f"{where}: device.peak_flops has no {param_dtype} entry; has: {', '.join(device.peak_flops)}")
+        raise UserError(
+            f"{where}: device.peak_flops has no {param_dtype} entry; has: {', '.join(device.peak_flops)}"
+        )
     costs = ComputeCosts(
         peak_flops=device.peak_flops[param_dtype],
         efficiency=device.compute_efficiency,
@@ -175,7 +186,9 @@ def build_compute_costs(
             raise UserError(f"{where}: compute.units.{group.value} is missing")
         scales[group] = _group_scale(costs, _group_ops(ops, group), units[group.value], where)
     per_param = compute.get("optimizer_s_per_param", {})
-    optimizer_s = float(per_param.get(optimizer, costs.optimizer_s_per_element)) if optimizer != "none" else 0.0
+    optimizer_s = (
+        float(per_param.get(optimizer, costs.optimizer_s_per_element)) if optimizer != "none" else 0.0
+    )
     copy_Bps = float(compute.get("copy_Bps", costs.copy_Bps))
     return ComputeCosts(
         peak_flops=costs.peak_flops,

@@ -38,7 +38,9 @@ def build_ddp_program(cfg: StepConfig) -> Program:
     costs, segs = cfg.costs, cfg.segments
     total = sum(u.numel for u in cfg.units)
     p.initial.append(Alloc("params", Mem.PARAMS, total * cfg.master_bytes))
-    p.initial.append(Alloc("optimizer", Mem.OPTIMIZER, OPTIMIZER_STATES[cfg.optimizer] * total * cfg.master_bytes))
+    p.initial.append(
+        Alloc("optimizer", Mem.OPTIMIZER, OPTIMIZER_STATES[cfg.optimizer] * total * cfg.master_bytes)
+    )
     p.initial.append(Alloc("ddp_buckets", Mem.COMM_BUFFERS, total * cfg.reduce_bytes))
     buckets = bucket_ready_segments(cfg)
     grad_labels: list[str] = []
@@ -65,7 +67,9 @@ def build_ddp_program(cfg: StepConfig) -> Program:
             allocs = [Alloc(f"bwd_temp:{i}:mb{mb}", Mem.OTHER, costs.backward_transient_bytes(seg))]
             if mb == 0:
                 grad_labels.append(f"grads:{i}")
-                allocs.append(Alloc(f"grads:{i}", Mem.GRADS, sum(x.numel for x in seg.params) * cfg.master_bytes))
+                allocs.append(
+                    Alloc(f"grads:{i}", Mem.GRADS, sum(x.numel for x in seg.params) * cfg.master_bytes)
+                )
             frees = [f"bwd_temp:{i}:mb{mb}", saved[i]] + ([casts[i]] if i in casts else [])
             op = p.emit(
                 Stream.COMPUTE, OpKind.BACKWARD, seg.name, seg.unit, mb, costs.backward_s(seg),

@@ -7,7 +7,7 @@ When every rank would behave identically (no jitter, no slow rank) it simulates 
 each collective then starts as soon as rank 0 reaches it, which is exactly when all ranks do.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +59,7 @@ class _Rendezvous:
             self.env.process(self._run(done, duration_s))
         return done
 
-    def _run(self, done: simpy.Event, duration_s: float) -> Iterator[simpy.Event]:
+    def _run(self, done: simpy.Event, duration_s: float) -> Generator[simpy.Event, object, None]:
         start = self.env.now
         yield self.env.timeout(duration_s)
         done.succeed(start)
@@ -71,9 +71,11 @@ class Engine:
         k = topology.world_size
         self.ranks = [0] if variability.ranks_identical else list(range(k))
         compute = np.array([op.kind in COMPUTE_KINDS for op in program.ops])
-        factors = variability.compute_multipliers(k, len(program.ops)) if not variability.ranks_identical else None
+        factors = (
+            variability.compute_multipliers(k, len(program.ops)) if not variability.ranks_identical else None
+        )
         self.duration: Callable[[int, ProgramOp], float] = (
-            (lambda r, op: op.duration_s * (factors[r, op.op_id] if compute[op.op_id] else 1.0))  # type: ignore[index]
+            (lambda r, op: op.duration_s * (factors[r, op.op_id] if compute[op.op_id] else 1.0))
             if factors is not None
             else (lambda r, op: op.duration_s)
         )
@@ -102,7 +104,7 @@ class Engine:
             queues.setdefault(op.stream, []).append(op)
         return list(queues.values())
 
-    def _stream(self, rank: int, ops: list[ProgramOp]) -> Iterator[simpy.Event]:
+    def _stream(self, rank: int, ops: list[ProgramOp]) -> Generator[simpy.Event, object, None]:
         done = self.done[rank]
         for op in ops:
             waiting = [done[d] for d in op.deps if not done[d].processed]
@@ -117,10 +119,11 @@ class Engine:
                 gid = self.topology.group_id(op.group, rank)
                 seq = self.group_seq[rank].get(gid, 0)
                 self.group_seq[rank][gid] = seq + 1
-                start = yield self.rendezvous.arrive((gid, seq), len(members), duration)
+                arrived = yield self.rendezvous.arrive((gid, seq), len(members), duration)
+                start = float(arrived)  # type: ignore[arg-type]
                 group_size = len(self.topology.members(op.group, rank))
             else:
-                start = ready
+                start = float(ready)
                 yield self.env.timeout(duration)
                 group_size = 1
             for label in op.frees:
@@ -148,6 +151,8 @@ class Engine:
             self.table.memory.append(MemoryRecord(rank, self.env.now, category, -nbytes, label))
 
 
-def run_program(program: Program, topology: Topology, variability: Variability, *, serial: bool) -> EventTable:
+def run_program(
+    program: Program, topology: Topology, variability: Variability, *, serial: bool
+) -> EventTable:
     """Simulate one step and return its event table."""
     return Engine(program, topology, variability, serial=serial).run()

@@ -14,6 +14,8 @@ It replays what ``torch.distributed.fsdp.fully_shard`` does on the host, in host
 Collectives of one process group run one at a time in issue order, as on one NCCL communicator.
 """
 
+from typing import Any
+
 from sim.events import MemoryCategory as Mem
 from sim.events import OpKind, Stream
 from sim.program import Alloc, Program
@@ -31,7 +33,9 @@ class FsdpScheduleBuilder:
         segs = cfg.segments
         self.first_seg = {u: min(i for i, s in enumerate(segs) if s.unit == u) for u in self.units}
         self.last_seg = {u: max(i for i, s in enumerate(segs) if s.unit == u) for u in self.units}
-        self.forward_units = [s.unit for i, s in enumerate(segs) if s.unit != ROOT and self.first_seg[s.unit] == i]
+        self.forward_units = [
+            s.unit for i, s in enumerate(segs) if s.unit != ROOT and self.first_seg[s.unit] == i
+        ]
         self.needs_grad = {u.name: input_needs_grad(u, list(segs)) for u in cfg.units}
         self.last_collective: dict[GroupKind, int] = {}
         self.compute_waits: list[int] = []
@@ -45,14 +49,22 @@ class FsdpScheduleBuilder:
         self.counter += 1
         return f"{what}:{unit}:mb{mb}:{self.counter}"
 
-    def _compute(self, kind: OpKind, name: str, unit: str, mb: int, duration_s: float, **kw) -> int:  # type: ignore[no-untyped-def]
+    def _compute(self, kind: OpKind, name: str, unit: str, mb: int, duration_s: float, **kw: Any) -> int:
         deps = tuple(kw.pop("deps", ())) + tuple(self.compute_waits)
         self.compute_waits = []
         return self.p.emit(Stream.COMPUTE, kind, name, unit, mb, duration_s, deps=deps, **kw)
 
     def _collective(
-        self, kind: OpKind, stream: Stream, unit: str, mb: int, nbytes: int, group: GroupKind, dtype: str, **kw
-    ) -> int:  # type: ignore[no-untyped-def]
+        self,
+        kind: OpKind,
+        stream: Stream,
+        unit: str,
+        mb: int,
+        nbytes: int,
+        group: GroupKind,
+        dtype: str,
+        **kw: Any,
+    ) -> int:
         deps = list(kw.pop("deps", ()))
         if group in self.last_collective:
             deps.append(self.last_collective[group])
@@ -81,7 +93,9 @@ class FsdpScheduleBuilder:
             self.p.initial.append(Alloc(f"param:{name}", Mem.PARAMS, shard * cfg.master_bytes))
             states = OPTIMIZER_STATES[cfg.optimizer]
             if states:
-                self.p.initial.append(Alloc(f"optim:{name}", Mem.OPTIMIZER, states * shard * cfg.master_bytes))
+                self.p.initial.append(
+                    Alloc(f"optim:{name}", Mem.OPTIMIZER, states * shard * cfg.master_bytes)
+                )
         for mb in range(cfg.grad_accum):
             self._reset_microbatch()
             self._forward(mb)
@@ -177,7 +191,13 @@ class FsdpScheduleBuilder:
             allocs.append(Alloc(transient, Mem.OTHER, costs.forward_transient_bytes(seg)))
             frees.append(transient)
             op = self._compute(
-                OpKind.FORWARD, seg.name, seg.unit, mb, costs.forward_s(seg), allocs=tuple(allocs), frees=tuple(frees)
+                OpKind.FORWARD,
+                seg.name,
+                seg.unit,
+                mb,
+                costs.forward_s(seg),
+                allocs=tuple(allocs),
+                frees=tuple(frees),
             )
             if seg.unit != ROOT and i == self.last_seg[seg.unit]:
                 if cfg.reshard_after_forward:
@@ -323,4 +343,3 @@ class FsdpScheduleBuilder:
 
 def build_fsdp_program(cfg: StepConfig) -> Program:
     return FsdpScheduleBuilder(cfg).build()
-

@@ -38,7 +38,9 @@ class ModelConfig:
             if getattr(self, field) <= 0:
                 raise UserError(f"{where}: model.{field} must be a positive integer")
         if self.hidden % self.n_heads:
-            raise UserError(f"{where}: model.hidden ({self.hidden}) must be divisible by model.n_heads ({self.n_heads})")
+            raise UserError(
+                f"{where}: model.hidden ({self.hidden}) must be divisible by model.n_heads ({self.n_heads})"
+            )
         if self.n_heads % self.n_kv_heads:
             raise UserError(
                 f"{where}: model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})"
@@ -63,7 +65,9 @@ PRESETS: dict[str, ModelConfig] = {
         name="llama3-70b", n_layers=80, hidden=8192, n_heads=64, n_kv_heads=8, ffn_hidden=28672, vocab=128256
     ),
     # Small models that run for real on a CPU, for tests, calibration and validation.
-    "tiny": ModelConfig(name="tiny", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=172, vocab=512),
+    "tiny": ModelConfig(
+        name="tiny", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=172, vocab=512
+    ),
     "llama-5m": ModelConfig(
         name="llama-5m", n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, ffn_hidden=688, vocab=4096
     ),

@@ -75,7 +75,9 @@ class HardwareProfile:
     source: Mapping[str, Any] = field(default_factory=dict)
     compute: Mapping[str, Any] | None = None  # per-unit measurements from ``calibrate compute``
 
-    def curve(self, collective: str, group_size: int, dtype: str, spans_nodes: bool) -> CollectiveCurve | None:
+    def curve(
+        self, collective: str, group_size: int, dtype: str, spans_nodes: bool
+    ) -> CollectiveCurve | None:
         """The measured curve for this case; a curve of another dtype is used if this one is missing."""
         same_shape = [
             c
@@ -83,7 +85,8 @@ class HardwareProfile:
             if c.collective == collective and c.group_size == group_size and c.spans_nodes == spans_nodes
         ]
         exact = [c for c in same_shape if c.dtype == dtype]
-        return (exact or same_shape or [None])[0]
+        candidates = exact or same_shape
+        return candidates[0] if candidates else None
 
 
 class _Reader:
@@ -118,7 +121,9 @@ class _Reader:
     def choice(self, key: str, allowed: tuple[str, ...], default: Any = ...) -> str:
         value = self.get(key, str, default)
         if value not in allowed:
-            raise UserError(f"{self.where}: field {self._name(key)} is {value!r}; allowed: {', '.join(allowed)}")
+            raise UserError(
+                f"{self.where}: field {self._name(key)} is {value!r}; allowed: {', '.join(allowed)}"
+            )
         return value
 
     def sub(self, key: str) -> "_Reader":

@@ -26,7 +26,11 @@ def model_state_bytes(step: StepConfig, no_shard: bool) -> dict[str, int]:
     w = 1 if no_shard else step.shard_size
     numel = sum(u.padded_numel(w) // w for u in step.units)
     b = step.master_bytes
-    return {"params": numel * b, "grads": numel * b, "optimizer": OPTIMIZER_STATES[step.optimizer] * numel * b}
+    return {
+        "params": numel * b,
+        "grads": numel * b,
+        "optimizer": OPTIMIZER_STATES[step.optimizer] * numel * b,
+    }
 
 
 def deepspeed_convention_bytes(n: int, strategy: Strategy, shard: int) -> int:
@@ -128,7 +132,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"model         {report['model']} ({report['n_params']:,} params)",
         f"parallel      {report['strategy']}, wrap={report['wrap']} ({report['n_units']} units), "
         f"{report['world_size']} ranks",
-        f"profile       {report['profile']}" + ("" if report["profile_calibrated"] else " (datasheet, not calibrated)"),
+        f"profile       {report['profile']}"
+        + ("" if report["profile_calibrated"] else " (datasheet, not calibrated)"),
         "",
         f"step time     {step * 1e3:,.2f} ms",
         f"  compute       {b['compute'] * 1e3:,.2f} ms ({b['compute'] / step:.0%})",

@@ -70,7 +70,9 @@ class ParallelSection:
     wrap: WrapPolicy = WrapPolicy.BLOCK
     shard_group_size: int | None = None  # HYBRID_SHARD; default: cluster.gpus_per_node
     reshard_after_forward: bool | None = None  # None: True for FULL/HYBRID_SHARD, False for SHARD_GRAD_OP
-    forward_prefetch: int = 0  # units all-gathered ahead explicitly in forward (set_modules_to_forward_prefetch)
+    forward_prefetch: int = (
+        0  # units all-gathered ahead explicitly in forward (set_modules_to_forward_prefetch)
+    )
     backward_prefetch: int = 1  # units all-gathered ahead in backward; 1 is FSDP2's implicit default
     ddp_bucket_mb: float = 25.0  # NO_SHARD: DistributedDataParallel bucket_cap_mb
 
@@ -265,7 +267,9 @@ def _check(s: Scenario, where: str) -> None:
         raise UserError(f"{where}: simulation.compute_jitter must be >= 0")
     positive("simulation.slow_rank_factor", sim.slow_rank_factor)
     if sim.slow_rank is not None and not 0 <= sim.slow_rank < p.world_size:
-        raise UserError(f"{where}: simulation.slow_rank must be in [0, {p.world_size - 1}], got {sim.slow_rank}")
+        raise UserError(
+            f"{where}: simulation.slow_rank must be in [0, {p.world_size - 1}], got {sim.slow_rank}"
+        )
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -286,7 +290,9 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
     for text in overrides:
         section, key, value = parse_override(text)
         if section not in SECTIONS:
-            raise UserError(f"--set {text!r}: unknown section {section!r}{_did_you_mean(section, list(SECTIONS))}")
+            raise UserError(
+                f"--set {text!r}: unknown section {section!r}{_did_you_mean(section, list(SECTIONS))}"
+            )
         data.setdefault(section, {})[key] = value
     for name in data:
         if name not in SECTIONS:

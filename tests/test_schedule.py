@@ -1,0 +1,182 @@
+"""The FSDP2 and DDP schedules: what is issued, in which order, and how many bytes it moves."""
+
+import pytest
+from simtest import make_profile, make_scenario
+
+from sim.comm_model import wire_bytes_per_rank
+from sim.events import OpKind, Stream
+from sim.simulate import simulate
+from sim.units import ROOT
+
+ONE_LAYER = {"preset": "tiny", "n_layers": 1}
+
+
+def _names(result, rank=0):
+    return [
+        (o.kind.value, o.unit) for o in sorted(result.events.ops_of(rank), key=lambda o: (o.start_s, o.op_id))
+    ]
+
+
+def test_exact_event_log_two_units_two_ranks_serial_backend():
+    """gloo-like backend: every op runs one after another in FSDP2's host order."""
+    s = make_scenario(model=ONE_LAYER)
+    r = simulate(s, make_profile(overlap=False))
+    layer = "model.layers.0"
+    expected = [
+        ("all_gather", ROOT), ("copy", ROOT), ("forward", ROOT),
+        ("all_gather", layer), ("copy", layer), ("forward", layer), ("forward", ROOT),
+        # root pre-backward prefetches the unit that ran before it in forward
+        ("all_gather", layer), ("backward", ROOT),
+        ("copy", layer), ("backward", layer), ("copy", layer), ("reduce_scatter", layer),
+        ("backward", ROOT),
+        # final callback: the root (whose input is the token ids) reduces last
+        ("copy", ROOT), ("reduce_scatter", ROOT),
+        ("optimizer", ROOT),
+    ]  # fmt: skip
+    assert [len(r.step.units)] == [2]
+    for rank in (0, 1):
+        ops = sorted(r.events.ops_of(rank), key=lambda o: o.start_s)
+        assert [(o.kind.value, o.unit) for o in ops] == expected
+        for before, after in zip(ops, ops[1:], strict=False):
+            assert after.start_s == pytest.approx(before.end_s, abs=1e-15)
+    assert r.events.simulated_ranks == [0]
+
+
+def test_gpu_backend_overlaps_next_all_gather_with_compute():
+    s = make_scenario(model={"preset": "tiny", "n_layers": 3})
+    r = simulate(s, make_profile(overlap=True))
+    ops = r.events.ops_of(0)
+    forward_ags = [o for o in ops if o.kind is OpKind.ALL_GATHER and o.microbatch == 0][:4]
+    assert [o.unit for o in forward_ags] == [ROOT, "model.layers.0", "model.layers.1", "model.layers.2"]
+    # the all-gather of layer 1 runs before layer 0's forward has finished
+    fwd0 = next(o for o in ops if o.kind is OpKind.FORWARD and o.unit == "model.layers.0")
+    assert forward_ags[2].start_s < fwd0.end_s
+    # streams are FIFO: no two ops of one stream overlap
+    for stream in Stream:
+        lane = sorted((o for o in ops if o.stream is stream), key=lambda o: o.start_s)
+        assert all(b.start_s >= a.end_s - 1e-15 for a, b in zip(lane, lane[1:], strict=False))
+
+
+def _unit_bytes(result, dtype_bytes):
+    w = result.step.shard_size
+    non_root = sum(u.padded_numel(w) for u in result.step.units if not u.is_root) * dtype_bytes
+    root = next(u for u in result.step.units if u.is_root).padded_numel(w) * dtype_bytes
+    return non_root, root
+
+
+@pytest.mark.parametrize("strategy, gathers", [("FULL_SHARD", 2), ("SHARD_GRAD_OP", 1)])
+def test_all_gather_bytes_per_step(strategy, gathers):
+    """FULL_SHARD gathers every non-root unit in forward and again in backward; ZeRO-2 once.
+    The root stays unsharded after forward (FSDP2's reshard_after_forward=None)."""
+    k = 8
+    s = make_scenario(
+        model={"preset": "llama2-7b"},
+        training={"micro_batch": 1, "seq_len": 512},
+        parallel={"world_size": k, "strategy": strategy},
+        precision={"param_dtype": "bf16"},
+    )
+    r = simulate(s)
+    non_root, root = _unit_bytes(r, 2)
+    ags = [o for o in r.events.ops_of(0) if o.kind is OpKind.ALL_GATHER]
+    assert sum(o.bytes for o in ags) == gathers * non_root + root
+    assert len(ags) == gathers * 32 + 1
+    wire = sum(wire_bytes_per_rank("all_gather", o.bytes, o.group_size) for o in ags)
+    assert wire == pytest.approx((gathers * non_root + root) * (k - 1) / k, rel=1e-12)
+    rs = [o for o in r.events.ops_of(0) if o.kind is OpKind.REDUCE_SCATTER]
+    assert len(rs) == 33
+    assert sum(o.bytes for o in rs) == sum(u.padded_numel(k) for u in r.step.units) * 2  # reduce in bf16
+
+
+def test_reduce_dtype_sets_reduce_scatter_bytes():
+    s = make_scenario(precision={"param_dtype": "bf16", "reduce_dtype": "fp32"})
+    r = simulate(s)
+    total = sum(u.padded_numel(2) for u in r.step.units)
+    rs = [o for o in r.events.ops_of(0) if o.kind is OpKind.REDUCE_SCATTER]
+    assert sum(o.bytes for o in rs) == total * 4
+
+
+def test_hybrid_shard_all_reduces_shards_across_replicas():
+    s = make_scenario(
+        parallel={"world_size": 8, "strategy": "HYBRID_SHARD", "shard_group_size": 4},
+        cluster={"gpus_per_node": 4},
+    )
+    r = simulate(s)
+    ops = r.events.ops_of(0)
+    rs = [o for o in ops if o.kind is OpKind.REDUCE_SCATTER]
+    ar = [o for o in ops if o.kind is OpKind.ALL_REDUCE]
+    assert {o.group_size for o in rs} == {4} and {o.group_size for o in ar} == {2}
+    assert [o.bytes // 4 for o in rs] == [o.bytes for o in ar]  # the all-reduce moves the 1/4 shard
+    for a in ar:  # each all-reduce follows its unit's reduce-scatter
+        mine = next(o for o in rs if o.unit == a.unit)
+        assert a.start_s >= mine.end_s
+
+
+def test_ddp_all_reduces_every_gradient_once_in_buckets():
+    s = make_scenario(parallel={"world_size": 4, "strategy": "NO_SHARD", "ddp_bucket_mb": 0.05})
+    r = simulate(s)
+    ops = r.events.ops_of(0)
+    assert not [o for o in ops if o.kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER)]
+    ar = [o for o in ops if o.kind is OpKind.ALL_REDUCE]
+    assert len(ar) > 1
+    assert sum(o.bytes for o in ar) == r.report["n_params"] * 4
+    first_backward_end = min(o.end_s for o in ops if o.kind is OpKind.BACKWARD)
+    last_backward_end = max(o.end_s for o in ops if o.kind is OpKind.BACKWARD)
+    assert ar[0].start_s >= first_backward_end
+    assert ar[0].start_s < last_backward_end  # buckets overlap the rest of backward
+
+
+def test_backward_prefetch_reduces_exposed_communication_when_comm_is_slow():
+    base = {"model": {"preset": "llama2-7b", "n_layers": 4}, "training": {"micro_batch": 1, "seq_len": 4096},
+            "parallel": {"world_size": 8}, "precision": {"param_dtype": "bf16"}}  # fmt: skip
+    slow_links = make_profile(bus_bw_Bps=50e9)
+    with_prefetch = simulate(make_scenario(**base), slow_links).report
+    # premise: gathering the weights takes longer than computing with them
+    assert with_prefetch["collectives"]["all_gather"]["time_s"] > with_prefetch["breakdown_s"]["compute"]
+    base["parallel"] = {"world_size": 8, "backward_prefetch": 0}
+    without = simulate(make_scenario(**base), slow_links).report
+    assert without["breakdown_s"]["exposed_comm"] > with_prefetch["breakdown_s"]["exposed_comm"] * 1.2
+    assert without["step_time_s"] > with_prefetch["step_time_s"]
+
+
+def test_no_reshard_after_forward_drops_backward_all_gathers_and_keeps_params():
+    base = {"model": {"preset": "tiny", "n_layers": 4}, "parallel": {"world_size": 2}}
+    resharded = simulate(make_scenario(**base))
+    base["parallel"] = {"world_size": 2, "reshard_after_forward": False}
+    kept = simulate(make_scenario(**base))
+    count = lambda r: sum(o.kind is OpKind.ALL_GATHER for o in r.events.ops_of(0))  # noqa: E731
+    assert count(resharded) == 1 + 2 * 4 and count(kept) == 1 + 4
+    layer_bytes = [u.padded_numel(2) * 4 for u in kept.step.units if not u.is_root]
+    rise = kept.report["peak_memory_bytes"] - resharded.report["peak_memory_bytes"]
+    # at the peak the resharded run holds at most two gathered layers; the other run holds all
+    assert sum(layer_bytes) - 2 * max(layer_bytes) <= rise <= sum(layer_bytes)
+
+
+def test_checkpointing_recomputes_each_block_and_saves_less():
+    plain = simulate(make_scenario(model={"preset": "tiny", "n_layers": 4}))
+    ckpt = simulate(make_scenario(model={"preset": "tiny", "n_layers": 4}, checkpointing={"mode": "full"}))
+    recomputes = [o for o in ckpt.events.ops_of(0) if o.kind is OpKind.RECOMPUTE]
+    assert sorted({o.unit for o in recomputes}) == [f"model.layers.{i}" for i in range(4)]
+    assert (
+        ckpt.report["memory_at_peak_bytes"]["activations"]
+        < plain.report["memory_at_peak_bytes"]["activations"]
+    )
+    assert ckpt.report["breakdown_s"]["compute"] > plain.report["breakdown_s"]["compute"]
+
+
+def test_grad_accumulation_runs_every_microbatch_and_one_optimizer_step():
+    r = simulate(make_scenario(training={"micro_batch": 1, "seq_len": 32, "grad_accum": 3}))
+    ops = r.events.ops_of(0)
+    assert {o.microbatch for o in ops if o.kind is OpKind.FORWARD} == {0, 1, 2}
+    assert sum(o.kind is OpKind.OPTIMIZER for o in ops) == 1
+    assert sum(o.kind is OpKind.REDUCE_SCATTER for o in ops) == 3 * len(r.step.units)
+    assert r.report["tokens_per_step"] == 1 * 32 * 3 * 2
+
+
+def test_linear_wrap_issues_two_collectives_per_linear():
+    r = simulate(make_scenario(model=ONE_LAYER, parallel={"world_size": 2, "wrap": "linear"}))
+    names = [u.name for u in r.step.units]
+    assert len(names) == 1 + 7 + 1 + 1  # embedding, 7 projections, lm_head, root (norms)
+    ags = [o for o in r.events.ops_of(0) if o.kind is OpKind.ALL_GATHER]
+    # the embedding unit reshards after forward like any non-root unit and is gathered again in
+    # backward; only the root stays gathered
+    assert len(ags) == 1 + 2 * 9
