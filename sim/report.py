@@ -65,19 +65,17 @@ def build_report(
 ) -> dict[str, Any]:
     k = scenario.parallel.world_size
     step_s = step_time(table)
-    per_rank = []
     curves = {r: memory_curve(table, r) for r in table.simulated_ranks}
-    for rank in range(k):
-        sim_rank = table.rank_of(rank)
-        rank_ops = table.ops_of(rank)
-        per_rank.append(
-            {
-                "rank": rank,
-                "step_time_s": max(o.end_s for o in rank_ops),
-                "peak_memory_bytes": curves[sim_rank].peak_bytes(),
-                "breakdown_s": rank_breakdown(table, rank, step_s),
-            }
-        )
+    # identical ranks share their simulated rank's figures: compute each once
+    figures = {
+        r: {
+            "step_time_s": max(o.end_s for o in table.ops_of(r)),
+            "peak_memory_bytes": curves[r].peak_bytes(),
+            "breakdown_s": rank_breakdown(table, r, step_s),
+        }
+        for r in table.simulated_ranks
+    }
+    per_rank = [{"rank": rank, **figures[table.rank_of(rank)]} for rank in range(k)]
     worst = max(table.simulated_ranks, key=lambda r: curves[r].peak_bytes())
     peak = curves[worst].peak_bytes()
     device = profile.device.memory_bytes
