@@ -24,13 +24,12 @@ totals recomputed from the file match ``sim.intervals`` to float precision.
 """
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from sim.events import EventTable, MemoryCategory, MemoryRecord, OpKind, OpRecord, Stream
+from sim.io import write_text_atomic
 
 US_PER_S = 1e6
 
@@ -54,20 +53,6 @@ NCCL_DTYPES: dict[str, str] = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "fp
 MEMORY_COUNTER = "Memory (bytes)"
 
 R = TypeVar("R", OpRecord, MemoryRecord)
-
-
-def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def kernel_name(op: OpRecord, reduce_dtype: str = "fp32") -> str:
@@ -217,7 +202,7 @@ def dump(document: dict[str, Any]) -> str:
 
 def write_chrome_trace(
     table: EventTable,
-    path: str | os.PathLike[str],
+    path: str | Path,
     *,
     ranks: Sequence[int] | None = None,
     reduce_dtype: str = "fp32",
@@ -227,12 +212,12 @@ def write_chrome_trace(
     ``ranks`` are job ranks to include (default: the simulated ranks); a rank that was not simulated
     shows the records of the rank that stands for it. ``reduce_dtype`` names the reduction kernels.
     """
-    write_atomic(path, dump(trace_document(table, checked_ranks(table, ranks), reduce_dtype)))
+    write_text_atomic(path, dump(trace_document(table, checked_ranks(table, ranks), reduce_dtype)))
 
 
 def write_chrome_trace_per_rank(
     table: EventTable,
-    directory: str | os.PathLike[str],
+    directory: str | Path,
     *,
     ranks: Sequence[int] | None = None,
     reduce_dtype: str = "fp32",
@@ -246,6 +231,6 @@ def write_chrome_trace_per_rank(
     paths = []
     for r in checked_ranks(table, ranks):
         path = Path(directory) / f"rank{r}.trace.json"
-        write_atomic(path, dump(trace_document(table, [r], reduce_dtype, groups)))
+        write_text_atomic(path, dump(trace_document(table, [r], reduce_dtype, groups)))
         paths.append(path)
     return paths
