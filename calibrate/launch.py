@@ -1,0 +1,96 @@
+"""``--nproc N``: run a calibration on this machine without torchrun.
+
+The launcher starts N copies of ``python -m calibrate ...`` with torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT) and
+watches them. It imports no torch. When a worker fails, the others are stopped and the launcher
+reports which rank failed; workers write their profile only after every measurement, so a failed
+run leaves no profile behind. Like torchrun, it sets OMP_NUM_THREADS (cores / N) unless set.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+WORKER_ENV = "FSDPSIM_CALIBRATE_WORKER"
+COMMAND_ENV = "FSDPSIM_CALIBRATE_COMMAND"
+GRACE_S = 3.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchResult:
+    ok: bool
+    message: str
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _loopback_ifname() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), None)
+
+
+def worker_env(rank: int, nproc: int, port: int, command: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **{WORKER_ENV: "1", COMMAND_ENV: command},
+    )
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    lo = _loopback_ifname()
+    if lo and "GLOO_SOCKET_IFNAME" not in env:
+        env["GLOO_SOCKET_IFNAME"] = lo
+    return env
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _describe(rank: int, code: int) -> str:
+    if code < 0:
+        return f"rank {rank} was killed by signal {-code}"
+    return f"rank {rank} exited with code {code}"
+
+
+def launch(argv: list[str], nproc: int) -> LaunchResult:
+    """Run ``python -m calibrate *argv`` as ``nproc`` ranks; wait for all, stop all on a failure."""
+    port = _free_port()
+    command = " ".join(["python", "-m", "calibrate", *argv, "--nproc", str(nproc)])
+    cmd = [sys.executable, "-m", "calibrate", *argv]
+    procs = [subprocess.Popen(cmd, env=worker_env(r, nproc, port, command)) for r in range(nproc)]
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                _stop(procs)
+                what = ", ".join(_describe(r, c) for r, c in failed if c is not None)
+                return LaunchResult(ok=False, message=f"{what}; no profile written")
+            if all(c == 0 for c in codes):
+                return LaunchResult(ok=True, message="")
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return LaunchResult(ok=False, message="interrupted; no profile written")
