@@ -36,7 +36,7 @@ def alpha_beta_time_s(collective: str, size_bytes: int, group_size: int, link: L
 def _curve_time_s(curve: CollectiveCurve, size_bytes: int) -> float:
     """Interpolate the measured medians in log-size/log-time; the α–β fit outside the range."""
     sizes = curve.sizes_bytes
-    if len(sizes) == 1 or not sizes[0] <= size_bytes <= sizes[-1]:
+    if not sizes[0] <= size_bytes <= sizes[-1]:
         return alpha_beta_time_s(curve.collective, size_bytes, curve.group_size, curve.fit)
     log_t = np.interp(math.log(size_bytes), np.log(sizes), np.log(curve.times_s))
     return float(math.exp(log_t))

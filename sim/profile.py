@@ -135,7 +135,10 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 
 def _link(r: _Reader) -> LinkModel:
-    return LinkModel(latency_s=r.get("latency_s", (int, float)), bus_bw_Bps=r.positive("bus_bw_Bps"))
+    latency_s = r.get("latency_s", (int, float))
+    if latency_s < 0:
+        raise UserError(f"{r.where}: field {r._name('latency_s')} must be >= 0, got {latency_s!r}")
+    return LinkModel(latency_s=latency_s, bus_bw_Bps=r.positive("bus_bw_Bps"))
 
 
 def _curve(raw: Any, where: str, index: int) -> CollectiveCurve:
@@ -178,7 +181,10 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
     for dtype, value in flops.items():
         if not isinstance(value, int | float) or value <= 0:
             raise UserError(f"{where}: field device.peak_flops.{dtype} must be a positive number")
-        peak[canonical_dtype(dtype)] = float(value)
+        try:
+            peak[canonical_dtype(dtype)] = float(value)
+        except UserError as e:
+            raise UserError(f"{where}: field device.peak_flops.{dtype}: {e}") from None
     efficiency = dev.positive("compute_efficiency")
     if efficiency > 1:
         raise UserError(f"{where}: field device.compute_efficiency must be in (0, 1], got {efficiency}")
@@ -215,7 +221,7 @@ def load_profile(name_or_path: str, where: str = "cluster.profile") -> HardwareP
     if name_or_path in BUILTIN_PROFILES:
         return profile_from_dict(BUILTIN_PROFILES[name_or_path], f"built-in profile {name_or_path}")
     path = Path(name_or_path)
-    if not path.exists():
+    if not path.is_file():
         raise UserError(
             f"{where}: {name_or_path!r} is neither a built-in profile ({', '.join(BUILTIN_PROFILES)}) nor an existing file"
         )

@@ -254,6 +254,8 @@ def _check(s: Scenario, where: str) -> None:
                 raise UserError(f"{where}: precision.{name}: {e}") from None
     if s.cluster.gpus_per_node is not None:
         positive("cluster.gpus_per_node", s.cluster.gpus_per_node)
+    if p.shard_group_size is not None:
+        positive("parallel.shard_group_size", p.shard_group_size)
     if p.strategy is Strategy.HYBRID_SHARD:
         g = s.shard_group_size
         if g <= 0 or p.world_size % g:
@@ -293,7 +295,9 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
             raise UserError(
                 f"--set {text!r}: unknown section {section!r}{_did_you_mean(section, list(SECTIONS))}"
             )
-        data.setdefault(section, {})[key] = value
+        if not isinstance(data.setdefault(section, {}), dict):
+            raise UserError(f"{where}: [{section}] must be a table")
+        data[section][key] = value
     for name in data:
         if name not in SECTIONS:
             raise UserError(f"{where}: unknown section [{name}]{_did_you_mean(name, list(SECTIONS))}")
