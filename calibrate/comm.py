@@ -18,7 +18,7 @@ from calibrate.fit import fit_curve
 from calibrate.groups import GroupFamily, plan_group_families
 from calibrate.profile_io import comm_profile, write_profile_atomic
 from calibrate.records import Curve, CurveKey, Point
-from calibrate.sweep import CPU_DEFAULTS, GPU_DEFAULTS, SweepConfig
+from calibrate.sweep_plan import CPU_DEFAULTS, GPU_DEFAULTS, SweepConfig
 from sim.errors import UserError
 
 FAULT_EXIT_CODE = 17
@@ -85,7 +85,8 @@ def _maybe_fault(fault: Fault | None, rank: int, index: int) -> None:
 
 def sweep_all(req: CommRequest, cfg: SweepConfig, env: RankEnv, device: Any) -> list[Curve]:
     """Measure every (family, collective, dtype, size); identical results on every rank."""
-    from calibrate.sweep import build_op, iters_for, measure_point, sizes_for
+    from calibrate.sweep import build_op, measure_point
+    from calibrate.sweep_plan import iters_for, sizes_for
     from calibrate.watchdog import Watchdog
 
     dog = Watchdog(env.rank)
