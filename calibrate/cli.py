@@ -145,6 +145,8 @@ def command_line(argv: list[str]) -> str:
         return os.environ[COMMAND_ENV]
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return f"torchrun (WORLD_SIZE={os.environ.get('WORLD_SIZE')}) -m calibrate " + shlex.join(argv)
+    if Path(sys.argv[0]).name == "__main__.py":
+        return "python -m calibrate " + shlex.join(argv)
     return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
 
 
@@ -172,7 +174,7 @@ def _maybe_launch(args: argparse.Namespace, argv: list[str]) -> bool:
         raise UserError(f"--nproc must be >= 1, got {args.nproc}")
     from calibrate.launch import launch
 
-    result = launch(_without_nproc(argv), args.nproc)
+    result = launch(_without_nproc(argv), args.nproc, command_line(argv))
     if not result.ok:
         raise CalibrationFailed(result.message)
     return True
@@ -184,7 +186,7 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        if _maybe_launch(args, argv):
+        if args.verb == "comm" and _maybe_launch(args, argv):
             return 0
         if args.verb == "comm":
             from calibrate.cli_comm import run_comm_command

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from calibrate.dist_env import RankEnv, init_distributed, versions
+from calibrate.dist_env import RankEnv, init_distributed, mean_over_ranks, versions
 from calibrate.fit import fit_curve
 from calibrate.groups import GroupFamily, plan_group_families
 from calibrate.profile_io import comm_profile, write_profile_atomic
@@ -131,26 +131,6 @@ def _report_curve(c: Curve, fam: GroupFamily) -> None:
     )
 
 
-def _mean_over_ranks(values: dict[str, Any], device: Any) -> dict[str, Any]:
-    """Average a flat-or-nested dict of floats over all ranks (one all_reduce)."""
-    import torch
-    import torch.distributed as dist
-
-    flat = [(k, sk) for k, v in values.items() for sk in (v if isinstance(v, dict) else [None])]
-    vec = torch.tensor(
-        [values[k][sk] if sk else values[k] for k, sk in flat], dtype=torch.float64, device=device
-    )
-    dist.all_reduce(vec)
-    vec /= dist.get_world_size()
-    out: dict[str, Any] = {}
-    for (k, sk), x in zip(flat, vec.tolist(), strict=True):
-        if sk:
-            out.setdefault(k, {})[sk] = x
-        else:
-            out[k] = x
-    return out
-
-
 def launch_cost_s(curves: list[Curve]) -> float:
     """``backend.collective_launch_s``: the fastest median time of a smallest message on the world group."""
     world = [c for c in curves if c.source == "world group"] or curves
@@ -168,7 +148,7 @@ def run_comm(req: CommRequest, env: RankEnv) -> None:
         cfg = resolve_sweep(req, device.type)
         started = time.perf_counter()
         curves = sweep_all(req, cfg, env, device)
-        probed = _mean_over_ranks(device_probe.probe_device(device, ("fp32", "bf16")), device)
+        probed = mean_over_ranks(device_probe.probe_device(device, ("fp32", "bf16")), device)
         dist.barrier()
         if env.rank == 0:
             evidence = {d: device_probe.sdpa_kernel(device, d) for d in ("fp32", "bf16")}

@@ -67,3 +67,23 @@ def versions(backend: str) -> dict[str, Any]:
         v = torch.cuda.nccl.version()
         nccl = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
     return {"torch_version": torch.__version__, "cuda_version": torch.version.cuda, "nccl_version": nccl}
+
+
+def mean_over_ranks(values: dict[str, Any], device: Any) -> dict[str, Any]:
+    """Average a flat-or-nested dict of floats over all ranks (one all_reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    flat = [(k, sk) for k, v in values.items() for sk in (v if isinstance(v, dict) else [None])]
+    vec = torch.tensor(
+        [values[k][sk] if sk else values[k] for k, sk in flat], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(vec)
+    vec /= dist.get_world_size()
+    out: dict[str, Any] = {}
+    for (k, sk), x in zip(flat, vec.tolist(), strict=True):
+        if sk:
+            out.setdefault(k, {})[sk] = x
+        else:
+            out[k] = x
+    return out

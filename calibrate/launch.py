@@ -74,10 +74,12 @@ def _describe(rank: int, code: int) -> str:
     return f"rank {rank} exited with code {code}"
 
 
-def launch(argv: list[str], nproc: int) -> LaunchResult:
-    """Run ``python -m calibrate *argv`` as ``nproc`` ranks; wait for all, stop all on a failure."""
+def launch(argv: list[str], nproc: int, command: str) -> LaunchResult:
+    """Run ``python -m calibrate *argv`` as ``nproc`` ranks; wait for all, stop all on a failure.
+
+    ``command`` is the user's command line, recorded in the profile by the workers.
+    """
     port = _free_port()
-    command = " ".join(["python", "-m", "calibrate", *argv, "--nproc", str(nproc)])
     cmd = [sys.executable, "-m", "calibrate", *argv]
     procs = [subprocess.Popen(cmd, env=worker_env(r, nproc, port, command)) for r in range(nproc)]
     try:

@@ -1,0 +1,157 @@
+"""``calibrate compute`` on one rank: build the units, measure them, and (rank 0) add the
+``compute`` section to the profile atomically.
+
+All ranks measure at the same time, as they compute in training (on a CPU they share cores and
+memory bandwidth); times are averaged over ranks, memory is identical on every rank.
+"""
+
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from calibrate.compute import UNITS, ComputeTarget, UnitMeasure, compute_section, validate_compute_section
+from calibrate.dist_env import RankEnv, init_distributed, mean_over_ranks
+from calibrate.profile_io import read_profile_dict, write_profile_atomic
+
+TIME_FIELDS = ("forward_s", "backward_s", "recompute_s")
+
+
+def _measure(target: ComputeTarget, device: Any, reps: int) -> tuple[dict[str, UnitMeasure], dict[str, Any]]:
+    from calibrate import device_probe, overheads
+    from calibrate.layers import build_units
+    from calibrate.unit_timing import measure_unit
+
+    units = build_units(target, device)
+    measured = {
+        name: measure_unit(units[name], device, reps, with_recompute=name == "block") for name in UNITS
+    }
+    extra: dict[str, Any] = {
+        "copy": overheads.copy_rates(target, device, max(reps, 20)),
+        "optimizer_s_per_param": overheads.optimizer_s_per_param(target, device, reps),
+    }
+    extra["slowdown"], extra["slowdown_raw"] = overheads.slowdown_during_collective(
+        units["block"], device, reps
+    )
+    m = target.model
+    extra["attention_kernel"] = device_probe.sdpa_kernel(
+        device, target.param_dtype, m.n_heads, m.n_kv_heads, target.seq_len, m.head_dim
+    )
+    return measured, extra
+
+
+def _averaged(measured: dict[str, UnitMeasure], extra: dict[str, Any], device: Any) -> dict[str, Any]:
+    flat: dict[str, Any] = {f"{u}.{f}": getattr(measured[u], f) for u in UNITS for f in TIME_FIELDS}
+    flat.update({"copy": extra["copy"], "optimizer": extra["optimizer_s_per_param"]})
+    flat.update(slowdown=extra["slowdown"], slowdown_raw=extra["slowdown_raw"])
+    return mean_over_ranks(flat, device)
+
+
+def _section(target: ComputeTarget, measured: dict[str, UnitMeasure], avg: dict[str, Any]) -> dict[str, Any]:
+    units = {
+        u: UnitMeasure(
+            **{f: avg[f"{u}.{f}"] for f in TIME_FIELDS},
+            saved_activation_bytes=measured[u].saved_activation_bytes,
+            forward_transient_bytes=measured[u].forward_transient_bytes,
+            backward_transient_bytes=measured[u].backward_transient_bytes,
+        )
+        for u in UNITS
+    }
+    return compute_section(
+        target,
+        units,
+        copy_Bps=avg["copy"]["copy_Bps"],
+        optimizer_s_per_param=avg["optimizer"],
+        slowdown=max(1.0, avg["slowdown"]),
+    )
+
+
+def _source(target: ComputeTarget, env: RankEnv, backend: str, device: Any, avg: dict[str, Any], extra: dict[str, Any], reps: int, command: str, wall_s: float) -> dict[str, Any]:  # fmt: skip
+    import torch
+
+    from calibrate import device_probe
+
+    return {
+        "method": (
+            f"calibrate compute: transformers {_hf_version()} LlamaDecoderLayer / Embedding+rotary / "
+            f"RMSNorm+lm_head+ForCausalLMLoss with random weights on {device}, {env.world_size} rank(s) measuring at once; "
+            f"median of {reps} repetitions after a warm-up, averaged over ranks; recompute timed inside a "
+            "non-reentrant torch.utils.checkpoint backward; saved bytes from saved_tensors_hooks (distinct "
+            "storages, parameters excluded); transients = peak - allocated at return "
+            + (
+                "(torch.cuda.max_memory_allocated)"
+                if device.type == "cuda"
+                else "(TorchDispatchMode storage tracker)"
+            )
+        ),
+        "device_name": device_probe.device_name(device),
+        "backend": backend,
+        "world_size": env.world_size,
+        "shard_world_size": target.world_size,
+        "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": command,
+        "wall_s": round(wall_s, 3),
+        "copy_rates_Bps": avg["copy"],
+        "optimizer": "AdamW(foreach=True) and SGD(momentum=0.9, foreach=True) on fp32 shards",
+        "slowdown_raw": avg["slowdown_raw"],
+        "slowdown_note": "1.0: one rank, no collective"
+        if env.world_size < 2
+        else "block forward during / before an all-reduce, floored at 1.0",
+        "attention_kernel": extra["attention_kernel"],
+    }
+
+
+def _hf_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def run_compute(
+    target: ComputeTarget, profile: Path, env: RankEnv, reps: int, timeout_s: float, command: str
+) -> None:
+    import torch.distributed as dist
+
+    from calibrate.watchdog import Watchdog
+
+    backend, device = init_distributed(env, timeout_s)
+    try:
+        started = time.perf_counter()
+        dog = Watchdog(env.rank)
+        dog.arm("the compute calibration", timeout_s)
+        measured, extra = _measure(target, device, reps)
+        avg = _averaged(measured, extra, device)
+        dist.barrier()
+        dog.disarm()
+        if env.rank == 0:
+            section = _section(target, measured, avg)
+            validate_compute_section(section, str(profile))
+            doc = read_profile_dict(profile)
+            doc["compute"] = section
+            wall = time.perf_counter() - started
+            doc.setdefault("source", {})["compute"] = _source(
+                target, env, backend, device, avg, extra, reps, command, wall
+            )
+            write_profile_atomic(profile, doc)
+            _report(section, profile, wall)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _report(section: dict[str, Any], profile: Path, wall_s: float) -> None:
+    for name, u in section["units"].items():
+        print(
+            f"{name:>5}: forward {u['forward_s'] * 1e3:.3f} ms, backward {u['backward_s'] * 1e3:.3f} ms, "
+            f"recompute {u['recompute_s'] * 1e3:.3f} ms, saved {u['saved_activation_bytes']} B, "
+            f"transient fwd/bwd {u['forward_transient_bytes']}/{u['backward_transient_bytes']} B",
+            flush=True,
+        )
+    print(
+        f"copy {section['copy_Bps'] / 1e9:.2f} GB/s, AdamW {section['optimizer_s_per_param']['adamw'] * 1e9:.2f} ns/param, "
+        f"slowdown during a collective x{section['compute_slowdown_during_collective']:.3f}; "
+        f"wrote {profile} ({wall_s:.1f} s)",
+        flush=True,
+    )

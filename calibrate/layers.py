@@ -1,0 +1,102 @@
+"""The scenario's real layers, built by ``transformers`` with random weights: the three units.
+
+- embed: ``nn.Embedding`` (HF ``LlamaModel.embed_tokens``) and ``LlamaRotaryEmbedding`` (both
+  run in the root module);
+- block: one ``LlamaDecoderLayer`` with SDPA attention, called as ``LlamaModel`` calls it
+  (no mask, so SDPA runs causal, and the rotary ``position_embeddings``);
+- head: the final ``LlamaRMSNorm``, ``lm_head`` and HF's ``ForCausalLMLoss`` (logits upcast to
+  fp32, labels shifted), as ``LlamaForCausalLM.forward`` computes the loss.
+
+Each unit is a callable from its input to its output plus the input factory, so that forward
+and backward can be timed and measured alone.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from calibrate.compute import ComputeTarget
+from calibrate.sweep import TORCH_DTYPES
+
+
+@dataclass(frozen=True)
+class Unit:
+    """``run(inputs)`` returns the unit's output (a scalar loss for the head)."""
+
+    name: str
+    module: nn.Module
+    make_inputs: Callable[[], tuple[torch.Tensor, ...]]
+    run: Callable[..., torch.Tensor]
+    shared: tuple[torch.Tensor, ...] = ()  # computed once per step for all blocks (rotary cos/sin)
+
+    def params(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+
+def llama_config(target: ComputeTarget) -> Any:
+    from transformers import LlamaConfig
+
+    m = target.model
+    return LlamaConfig(  # type: ignore[call-arg]
+        vocab_size=m.vocab,
+        hidden_size=m.hidden,
+        intermediate_size=m.ffn_hidden,
+        num_hidden_layers=1,
+        num_attention_heads=m.n_heads,
+        num_key_value_heads=m.n_kv_heads,
+        max_position_embeddings=max(target.seq_len, 2048),
+        tie_word_embeddings=m.tie_embeddings,
+        attn_implementation="sdpa",
+    )
+
+
+def build_units(target: ComputeTarget, device: torch.device, seed: int = 0) -> dict[str, Unit]:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    torch.manual_seed(seed)
+    cfg = llama_config(target)
+    dtype = TORCH_DTYPES[target.param_dtype]
+    b, s, h, v = target.micro_batch, target.seq_len, target.model.hidden, target.model.vocab
+    rotary = LlamaRotaryEmbedding(config=cfg).to(device)
+    position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+
+    embed = nn.Embedding(v, h, cfg.pad_token_id).to(device=device, dtype=dtype)
+    block = LlamaDecoderLayer(cfg, layer_idx=0).to(device=device, dtype=dtype).train()
+    head = nn.ModuleDict(
+        {"norm": LlamaRMSNorm(h, eps=cfg.rms_norm_eps), "lm_head": nn.Linear(h, v, bias=False)}
+    )
+    head = head.to(device=device, dtype=dtype)
+
+    def ids() -> tuple[torch.Tensor, ...]:
+        return (torch.randint(0, v, (b, s), device=device),)
+
+    def hidden() -> tuple[torch.Tensor, ...]:
+        return (torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True),)
+
+    def hidden_and_labels() -> tuple[torch.Tensor, ...]:
+        return (*hidden(), *ids())
+
+    with torch.no_grad():
+        cos_sin = rotary(torch.empty(1, device=device, dtype=dtype), position_ids)
+
+    def run_embed(input_ids: torch.Tensor) -> torch.Tensor:
+        out = embed(input_ids)
+        rotary(out, position_ids)  # computed in the root, as LlamaModel.forward does
+        return out
+
+    def run_block(x: torch.Tensor) -> torch.Tensor:
+        return block(x, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin)
+
+    def run_head(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = head["lm_head"](head["norm"](x))
+        return ForCausalLMLoss(logits, labels, vocab_size=v)
+
+    return {
+        "embed": Unit("embed", embed, ids, run_embed),
+        "block": Unit("block", block, hidden, run_block, shared=tuple(cos_sin)),
+        "head": Unit("head", head, hidden_and_labels, run_head),
+    }

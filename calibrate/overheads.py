@@ -1,0 +1,158 @@
+"""The overheads FSDP2 adds around every unit, measured on the unit's real parameter shapes.
+
+- Copies (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``): all-gather copy-in
+  (the rank's shards into one flat send buffer, ``torch.cat``), all-gather copy-out
+  (``torch.split_with_sizes_copy`` of the gathered ``(world, shard)`` buffer into per-parameter
+  tensors) and reduce-scatter copy-in (``torch._chunk_cat`` of the unsharded gradients into the
+  ``(world, ...)`` reduce-scatter input). ``copy_Bps`` is the payload moved by the three over
+  their total time (each payload byte is read once and written once).
+- Optimizer step per parameter: ``AdamW(foreach=True)`` and ``SGD(momentum=0.9, foreach=True)``
+  over fp32 shards (FSDP2 keeps sharded parameters in their original dtype) of the model's
+  parameters, up to ``OPTIMIZER_ELEMENTS`` elements, divided by the elements stepped.
+- Compute slowdown during a collective: the block's forward time while another thread keeps
+  all-reducing a large buffer (GPU: on a side stream; CPU: gloo's threads take cores), over the
+  time right before; on one rank there is no collective and the factor is 1.
+"""
+
+import math
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from calibrate.compute import ComputeTarget
+from calibrate.layers import Unit
+from calibrate.sweep import TORCH_DTYPES
+from sim.model import layer_params, param_specs
+
+OPTIMIZER_ELEMENTS = 32 << 20
+SLOWDOWN_WINDOW_S = 1.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_s(fn: Any, device: torch.device, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_rates(target: ComputeTarget, device: torch.device, reps: int) -> dict[str, float]:
+    """Bytes/s of FSDP2's three copies for one decoder block's parameters at ``param_dtype``."""
+    w, dtype = target.world_size, TORCH_DTYPES[target.param_dtype]
+    shapes = [s.shape for s in layer_params(target.model, 0)]
+    numels = [math.prod(s) for s in shapes]
+    shard = [math.ceil(n / w) for n in numels]
+    shards = [torch.randn(n, device=device, dtype=dtype) for n in shard]
+    gathered = torch.randn(w, sum(shard), device=device, dtype=dtype)
+    outs = [torch.empty(w, n, device=device, dtype=dtype) for n in shard]
+    grads = [torch.randn(s, device=device, dtype=dtype) for s in shapes]
+    bytes_per = dtype.itemsize
+    times = {
+        "all_gather_copy_in": _median_s(lambda: torch.cat(shards), device, reps),
+        "all_gather_copy_out": _median_s(
+            lambda: torch.split_with_sizes_copy(gathered, shard, dim=1, out=outs), device, reps
+        ),
+        "reduce_scatter_copy_in": _median_s(
+            lambda: torch._chunk_cat(grads, dim=0, num_chunks=w), device, reps
+        ),
+    }
+    payload = {
+        "all_gather_copy_in": sum(shard) * bytes_per,
+        "all_gather_copy_out": w * sum(shard) * bytes_per,
+        "reduce_scatter_copy_in": sum(numels) * bytes_per,
+    }
+    rates = {k: payload[k] / times[k] for k in times}
+    rates["copy_Bps"] = sum(payload.values()) / sum(times.values())
+    return rates
+
+
+def optimizer_s_per_param(target: ComputeTarget, device: torch.device, reps: int) -> dict[str, float]:
+    """Seconds per parameter element of one optimizer step over fp32 shards."""
+    w = target.world_size
+    shapes = [(math.ceil(s.shape[0] / w), *s.shape[1:]) for s in param_specs(target.model)]
+    chosen: list[tuple[int, ...]] = []
+    total = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        if chosen and total + n > OPTIMIZER_ELEMENTS:
+            break
+        chosen.append(shape)
+        total += n
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in chosen]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    out = {}
+    for name, opt in (
+        ("adamw", torch.optim.AdamW(params, lr=1e-4, foreach=True)),
+        ("sgd", torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)),
+    ):
+        out[name] = _median_s(opt.step, device, reps) / total
+    return out
+
+
+def _collective_thread(buf: torch.Tensor, group: Any, count: int, device: torch.device) -> threading.Thread:
+    def loop() -> None:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else _null():
+            for _ in range(count):
+                dist.all_reduce(buf, group=group)
+            if stream is not None:
+                stream.synchronize()
+
+    return threading.Thread(target=loop, name="calibrate-collective", daemon=True)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _forward_times(unit: Unit, device: torch.device, until: Any) -> list[float]:
+    times: list[float] = []
+    inputs = unit.make_inputs()
+    while until(len(times)):
+        _sync(device)
+        t0 = time.perf_counter()
+        unit.run(*inputs)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def slowdown_during_collective(unit: Unit, device: torch.device, reps: int) -> tuple[float, float]:
+    """(factor >= 1, raw ratio) of the block's forward time while an all-reduce runs alongside."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return 1.0, 1.0
+    group = dist.new_group(ranks=list(range(dist.get_world_size())))
+    buf = torch.zeros((256 << 20) // 4 if device.type == "cuda" else (16 << 20) // 4, device=device)
+    one = torch.tensor([_median_s(lambda: dist.all_reduce(buf, group=group), device, 3)], device=device)
+    dist.all_reduce(one, op=dist.ReduceOp.MAX)
+    count = max(3, math.ceil(SLOWDOWN_WINDOW_S / float(one.item())))
+    start = time.perf_counter()
+    before = _forward_times(
+        unit, device, lambda n: n < reps or time.perf_counter() - start < SLOWDOWN_WINDOW_S / 2
+    )
+    dist.barrier()
+    thread = _collective_thread(buf, group, count, device)
+    thread.start()
+    during = _forward_times(unit, device, lambda n: thread.is_alive() or n == 0)
+    thread.join()
+    dist.barrier()
+    raw = statistics.median(during) / statistics.median(before)
+    return max(1.0, raw), raw
