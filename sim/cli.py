@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["calibrate"]:
         return _guard(lambda: _delegate("calibrate.cli", argv[1:]))
     if argv[:1] == ["validate"]:
-        return _guard(lambda: _delegate("calibrate.validate_cli", argv[1:]))
+        return _guard(lambda: _delegate("validation.cli", argv[1:]))
     parser = argparse.ArgumentParser(prog="fsdpsim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)

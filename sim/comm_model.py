@@ -36,6 +36,8 @@ def alpha_beta_time_s(collective: str, size_bytes: int, group_size: int, link: L
 def _curve_time_s(curve: CollectiveCurve, size_bytes: int) -> float:
     """Interpolate the measured medians in log-size/log-time; the α–β fit outside the range."""
     sizes = curve.sizes_bytes
+    if size_bytes in sizes:
+        return curve.times_s[sizes.index(size_bytes)]
     if not sizes[0] <= size_bytes <= sizes[-1]:
         return alpha_beta_time_s(curve.collective, size_bytes, curve.group_size, curve.fit)
     log_t = np.interp(math.log(size_bytes), np.log(sizes), np.log(curve.times_s))
@@ -45,12 +47,16 @@ def _curve_time_s(curve: CollectiveCurve, size_bytes: int) -> float:
 def collective_time_s(
     collective: str, size_bytes: int, group: GroupShape, dtype: str, profile: HardwareProfile
 ) -> float:
-    """Seconds for one collective of nccl-tests ``size_bytes`` over ``group``; 0 for a group of one."""
+    """Seconds for one collective of nccl-tests ``size_bytes`` over ``group``; 0 for a group of one.
+
+    Measured curves and calibrated fits are wall-clock times that already contain the host's
+    launch cost; a datasheet link model does not, so ``collective_launch_s`` is added to it only.
+    """
     if group.size <= 1 or size_bytes <= 0:
         return 0.0
-    launch = profile.backend.collective_launch_s
     curve = profile.curve(collective, group.size, dtype, group.spans_nodes)
     if curve is not None:
-        return launch + _curve_time_s(curve, size_bytes)
+        return _curve_time_s(curve, size_bytes)
     link = profile.inter_node if group.spans_nodes else profile.intra_node
+    launch = 0.0 if profile.calibrated else profile.backend.collective_launch_s
     return launch + alpha_beta_time_s(collective, size_bytes, group.size, link)

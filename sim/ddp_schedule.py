@@ -38,6 +38,7 @@ def build_ddp_program(cfg: StepConfig) -> Program:
     costs, segs = cfg.costs, cfg.segments
     total = sum(u.numel for u in cfg.units)
     p.initial.append(Alloc("params", Mem.PARAMS, total * cfg.master_bytes))
+    p.initial.append(Alloc("buffers", Mem.PARAMS, cfg.buffer_bytes))
     p.initial.append(
         Alloc("optimizer", Mem.OPTIMIZER, OPTIMIZER_STATES[cfg.optimizer] * total * cfg.master_bytes)
     )
@@ -64,16 +65,17 @@ def build_ddp_program(cfg: StepConfig) -> Program:
         reductions = []
         for i in reversed(range(len(segs))):
             seg = segs[i]
-            allocs = [Alloc(f"bwd_temp:{i}:mb{mb}", Mem.OTHER, costs.backward_transient_bytes(seg))]
+            bwd_temp = Alloc(f"bwd_temp:{i}:mb{mb}", Mem.OTHER, costs.backward_transient_bytes(seg))
+            grads = []
             if mb == 0:
                 grad_labels.append(f"grads:{i}")
-                allocs.append(
+                grads.append(
                     Alloc(f"grads:{i}", Mem.GRADS, sum(x.numel for x in seg.params) * cfg.master_bytes)
                 )
-            frees = [f"bwd_temp:{i}:mb{mb}", saved[i]] + ([casts[i]] if i in casts else [])
+            frees = [bwd_temp.label, saved[i]] + ([casts[i]] if i in casts else [])
             op = p.emit(
                 Stream.COMPUTE, OpKind.BACKWARD, seg.name, seg.unit, mb, costs.backward_s(seg),
-                allocs=tuple(allocs), frees=tuple(frees),
+                allocs=(bwd_temp,), frees=tuple(frees), end_allocs=tuple(grads),
             )  # fmt: skip
             for b, (ready, numel) in enumerate(buckets):
                 if ready == i:

@@ -128,6 +128,8 @@ class Engine:
                 group_size = 1
             for label in op.frees:
                 self._free(rank, label)
+            for alloc in op.end_allocs:
+                self._alloc(rank, alloc.label, alloc.category, alloc.bytes)
             self.table.ops.append(
                 OpRecord(
                     rank, op.op_id, op.stream, op.kind, op.name, op.unit, op.microbatch,

@@ -88,6 +88,7 @@ class FsdpScheduleBuilder:
 
     def build(self) -> Program:
         cfg = self.cfg
+        self.p.initial.append(Alloc("buffers", Mem.PARAMS, cfg.buffer_bytes))
         for name in self.units:
             shard = self._padded(name) // self.w
             self.p.initial.append(Alloc(f"param:{name}", Mem.PARAMS, shard * cfg.master_bytes))
@@ -263,9 +264,8 @@ class FsdpScheduleBuilder:
             grad_bytes = sum(p.numel for p in seg.params) * cfg.param_bytes
             op = self._compute(
                 OpKind.BACKWARD, seg.name, seg.unit, mb, costs.backward_s(seg),
-                allocs=(Alloc(grads, Mem.GRADS, grad_bytes),
-                        Alloc(transient, Mem.OTHER, costs.backward_transient_bytes(seg))),
-                frees=tuple(frees),
+                allocs=(Alloc(transient, Mem.OTHER, costs.backward_transient_bytes(seg)),),
+                frees=tuple(frees), end_allocs=(Alloc(grads, Mem.GRADS, grad_bytes),),
             )  # fmt: skip
             if i == self.first_seg[seg.unit] and self.needs_grad[seg.unit]:
                 self._post_backward(seg.unit, mb)

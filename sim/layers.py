@@ -2,13 +2,17 @@
 
 Activation bytes follow what HF ``LlamaForCausalLM`` saves for backward in eager PyTorch
 (per token, ``a`` = activation dtype bytes, fp32 internals of RMSNorm and the loss):
-- RMSNorm: the fp32 copy of its input (4h; the input itself when it already is fp32) and its
-  normalized output (a*h), which the following projections also save.
+- RMSNorm: the fp32 copy of its input (4h; the input itself when it already is fp32), the
+  normalized input cast back (a*h) that the weight multiply saves, the fp32 rsqrt (4), and its
+  output (a*h), which the following projections save.
+- Rotary embedding: the cos and sin tables (seq * head_dim * a each), once per forward.
 - Attention: RoPE'd q and k, v and the output (a*(2*q_dim + 2*kv_dim)) plus the fp32 log-sum-exp
   (4*n_heads) with flash/memory-efficient kernels; the math path adds the fp32 softmax and its
   cast (n_heads*seq*(4 + a)) — Korthikanti et al. 2022, "Reducing Activation Recomputation", Sec. 4.
 - SwiGLU MLP: gate output, SiLU output, up output and their product (4*a*ffn).
-- Head: the logits (a*vocab, held by the model output), the fp32 log-softmax (4*vocab).
+- Loss: the fp32 log-softmax (4*vocab) and the shifted int64 labels. The logits are not saved;
+  they live only while the loss is computed (a training loop that keeps ``outputs.logits``
+  through backward holds a*vocab more per token).
 Residual adds save nothing. Linear layers save their input, which is counted at its producer.
 Forward FLOPs are 2*in*out per token for a linear; attention is 4*seq*q_dim per token, halved
 for causal masking with flash kernels; backward is twice the forward (Narayanan et al. 2021).
@@ -90,7 +94,7 @@ def _norm(name: str, params: tuple[ParamSpec, ...], h: int, w: Workload, block: 
         params=params,
         flops=0.0,
         memory_bytes=t * h * (a + FP32_BYTES) * 2.0,
-        saved_bytes=t * h * (FP32_BYTES + a),
+        saved_bytes=t * (h * (FP32_BYTES + 2 * a) + FP32_BYTES),
     )
 
 
@@ -169,6 +173,12 @@ def block_ops(cfg: ModelConfig, i: int, w: Workload) -> list[LayerOp]:
     ]
 
 
+def model_buffer_bytes(cfg: ModelConfig) -> int:
+    """HF's LlamaRotaryEmbedding keeps ``inv_freq`` and ``original_inv_freq`` (head_dim/2 fp32 each);
+    FSDP does not shard buffers."""
+    return 2 * (cfg.head_dim // 2) * FP32_BYTES
+
+
 def layer_ops(cfg: ModelConfig, w: Workload) -> list[LayerOp]:
     """Every op of one forward pass in execution order: embedding, blocks, final norm, head, loss."""
     specs = {s.name: s for s in param_specs(cfg)}
@@ -184,7 +194,7 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> list[LayerOp]:
             params=(embed,),
             flops=0.0,
             memory_bytes=float(t * cfg.hidden * a),
-            saved_bytes=t * INDEX_BYTES,
+            saved_bytes=t * INDEX_BYTES + 2 * w.seq_len * cfg.head_dim * a,  # ids, RoPE cos and sin
         )
     ]
     for i in range(cfg.n_layers):
@@ -201,7 +211,7 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> list[LayerOp]:
             params=() if tied else head.params,
             flops=head.flops,
             memory_bytes=0.0,
-            saved_bytes=t * vocab * a,  # the logits, kept alive by the model output
+            saved_bytes=0,
         )
     )
     upcast = 0 if a == FP32_BYTES else t * vocab * FP32_BYTES
@@ -214,8 +224,8 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> list[LayerOp]:
             params=(),
             flops=0.0,
             memory_bytes=3.0 * t * vocab * FP32_BYTES,
-            saved_bytes=t * vocab * FP32_BYTES,  # log-softmax output
-            forward_transient_bytes=upcast,
+            saved_bytes=t * vocab * FP32_BYTES + t * INDEX_BYTES,  # log-softmax output, labels
+            forward_transient_bytes=t * vocab * a + upcast,  # the logits and their fp32 copy
             # grad of log-softmax output and of its input in fp32, then the cast back to ``a``
             backward_transient_bytes=2 * t * vocab * FP32_BYTES + (t * vocab * a if upcast else 0),
         )

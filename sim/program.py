@@ -21,7 +21,9 @@ class Alloc:
 class ProgramOp:
     """One op. It starts when its stream has finished the previous op and its ``deps`` are done;
     a collective also waits until every rank of its group has reached it. ``allocs`` happen when
-    it becomes ready, ``frees`` when it ends (stream-ordered reuse in the caching allocator)."""
+    it becomes ready, ``frees`` when it ends (stream-ordered reuse in the caching allocator), then
+    ``end_allocs``: what the op leaves behind (the gradients a backward op produces) once its own
+    temporaries are gone."""
 
     op_id: int
     stream: Stream
@@ -33,6 +35,7 @@ class ProgramOp:
     deps: tuple[int, ...] = ()
     allocs: tuple[Alloc, ...] = ()
     frees: tuple[str, ...] = ()
+    end_allocs: tuple[Alloc, ...] = ()
     group: GroupKind | None = None  # set for collectives
     bytes: int = 0  # nccl-tests size of a collective
 
@@ -54,11 +57,24 @@ class Program:
         deps: tuple[int, ...] = (),
         allocs: tuple[Alloc, ...] = (),
         frees: tuple[str, ...] = (),
+        end_allocs: tuple[Alloc, ...] = (),
         group: GroupKind | None = None,
         bytes: int = 0,
     ) -> int:
         op = ProgramOp(
-            len(self.ops), stream, kind, name, unit, microbatch, duration_s, deps, allocs, frees, group, bytes
+            len(self.ops),
+            stream,
+            kind,
+            name,
+            unit,
+            microbatch,
+            duration_s,
+            deps,
+            allocs,
+            frees,
+            end_allocs,
+            group,
+            bytes,
         )
         self.ops.append(op)
         return op.op_id

@@ -11,7 +11,7 @@ from sim.dtypes import dtype_bytes
 from sim.engine import Variability, run_program
 from sim.events import EventTable
 from sim.fsdp_schedule import build_fsdp_program
-from sim.layers import LayerOp, Workload, layer_ops
+from sim.layers import LayerOp, Workload, layer_ops, model_buffer_bytes
 from sim.profile import HardwareProfile, load_profile
 from sim.program import Program
 from sim.report import build_report
@@ -75,6 +75,7 @@ def build_step(scenario: Scenario, profile: HardwareProfile) -> tuple[StepConfig
         reduce_dtype=scenario.reduce_dtype,
         reduce_bytes=dtype_bytes(scenario.reduce_dtype),
         block_input_bytes=workload.tokens * model.hidden * workload.act_bytes,
+        buffer_bytes=model_buffer_bytes(model),
         collective_temp_buffers=profile.backend.collective_temp_buffers,
         ddp_bucket_bytes=int(parallel.ddp_bucket_mb * (1 << 20)),
         costs=costs,

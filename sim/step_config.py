@@ -32,6 +32,7 @@ class StepConfig:
     reduce_dtype: str
     reduce_bytes: int
     block_input_bytes: int  # what a checkpointed block keeps: its input activations
+    buffer_bytes: int  # unsharded module buffers (RoPE inverse frequencies)
     collective_temp_buffers: bool
     ddp_bucket_bytes: int
     costs: ComputeCosts

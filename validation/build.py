@@ -1,0 +1,93 @@
+"""Build a scenario's model as real torch modules and wrap it exactly as the scenario says.
+
+The model is ``transformers``' ``LlamaForCausalLM`` with random weights (no download). FSDP2:
+one ``fully_shard`` per wrap unit, then the root; FULL_SHARD => ``reshard_after_forward=True``,
+SHARD_GRAD_OP => False, HYBRID_SHARD => a 2-D (replicate, shard) mesh; NO_SHARD => DDP.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sim.model import ModelConfig
+from sim.scenario import CheckpointMode, Scenario, Strategy, WrapPolicy
+from sim.units import unit_prefixes
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def llama_config(model: ModelConfig, seq_len: int) -> Any:
+    from transformers import LlamaConfig
+
+    config: Any = LlamaConfig
+    return config(
+        vocab_size=model.vocab,
+        hidden_size=model.hidden,
+        intermediate_size=model.ffn_hidden,
+        num_hidden_layers=model.n_layers,
+        num_attention_heads=model.n_heads,
+        num_key_value_heads=model.n_kv_heads,
+        tie_word_embeddings=model.tie_embeddings,
+        max_position_embeddings=max(seq_len, 128),
+        attn_implementation="sdpa",
+    )
+
+
+def build_llama(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(model, seq_len))
+
+
+@dataclass
+class Wrapped:
+    model: nn.Module
+    units: list[Any]  # non-root FSDP units in forward order (empty for DDP)
+    is_fsdp: bool
+
+
+def apply_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder block (before sharding, as torchtitan)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    inner: Any = model.model
+    layers = inner.layers
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def wrap(model: nn.Module, scenario: Scenario, mesh: Any) -> Wrapped:
+    if scenario.checkpointing.mode is CheckpointMode.FULL:
+        apply_checkpointing(model)
+    if scenario.parallel.strategy is Strategy.NO_SHARD:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, bucket_cap_mb=scenario.parallel.ddp_bucket_mb)
+        return Wrapped(ddp, [], is_fsdp=False)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPES[scenario.param_dtype], reduce_dtype=TORCH_DTYPES[scenario.reduce_dtype]
+    )
+    # checkpoint_wrapper inserts `_checkpoint_wrapped_module` into module paths; match the HF names
+    modules = {name.replace("._checkpoint_wrapped_module", ""): m for name, m in model.named_modules()}
+    units = [modules[prefix] for prefix in unit_prefixes(scenario.model, scenario.parallel.wrap)]
+    for module in units:
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=scenario.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: reshard_after_forward=None, as FSDP2's default
+    _set_prefetch(units, scenario)
+    return Wrapped(model, units, is_fsdp=True)
+
+
+def _set_prefetch(units: list[Any], scenario: Scenario) -> None:
+    fwd, bwd = scenario.parallel.forward_prefetch, scenario.parallel.backward_prefetch
+    if scenario.parallel.wrap is WrapPolicy.MODEL:
+        return
+    for i, unit in enumerate(units):
+        if fwd > 0:
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + fwd])
+        if bwd != 1:  # 1 is FSDP2's implicit default; anything else is an explicit list
+            unit.set_modules_to_backward_prefetch(units[max(0, i - bwd) : i][::-1])

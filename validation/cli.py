@@ -1,0 +1,107 @@
+"""``fsdpsim validate``: run a scenario for real (FSDP2 or DDP on gloo/NCCL) and simulate it, side by side."""
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sim.errors import UserError
+from sim.io import write_text_atomic
+
+PROG = "fsdpsim validate"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("scenario", nargs="?", help="scenario TOML; its parallel.world_size is set to --nproc")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the real run on this machine (default 2)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps after warm-up (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--profile", help="calibrated profile to simulate with (default: calibrate now)")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--out", help="write the report as markdown to this file")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the real run is stopped")
+    p.add_argument(
+        "--matrix", action="store_true", help="run the validation matrix and write --out (VALIDATION.md)"
+    )
+    return p
+
+
+def calibrated_profile(
+    scenario_path: str, overrides: list[str], nproc: int, folder: Path, base: str | None
+) -> str:
+    """A profile with this machine's collectives and this scenario's per-unit compute."""
+    from calibrate.cli import main as calibrate_main
+
+    profile = folder / "profile.json"
+    if base is not None:
+        shutil.copyfile(base, profile)
+    elif calibrate_main(["comm", "--nproc", str(nproc), "--out", str(profile), "--max-bytes", "16M"]) != 0:
+        raise UserError("calibrating the collectives failed (see above)")
+    sets = [a for o in overrides for a in ("--set", o)]
+    if calibrate_main(["compute", scenario_path, "--profile", str(profile), *sets]) != 0:
+        raise UserError("calibrating the per-unit compute failed (see above)")
+    return str(profile)
+
+
+def validate_one(
+    scenario_path: str,
+    overrides: list[str],
+    *,
+    nproc: int,
+    steps: int,
+    warmup: int,
+    profile: str | None,
+    timeout_s: float,
+) -> tuple[dict[str, Any], Any]:
+    """Run for real, simulate with a calibrated profile, and compare. Returns (report, comparison)."""
+    from sim.profile import load_profile
+    from sim.scenario import load_scenario
+    from sim.simulate import simulate
+    from validation.compare import compare
+    from validation.launch import run_real
+
+    overrides = [*overrides, f"parallel.world_size={nproc}"]
+    load_scenario(scenario_path, overrides)  # a user mistake fails here, before anything runs
+    with tempfile.TemporaryDirectory(prefix="fsdpsim-profile-") as tmp:
+        if profile is None or load_profile(profile).compute is None:
+            profile = calibrated_profile(scenario_path, overrides, nproc, Path(tmp), profile)
+        scenario = load_scenario(scenario_path, [*overrides, f"cluster.profile={json.dumps(profile)}"])
+        result = simulate(scenario)
+    spec = {"scenario": scenario_path, "overrides": overrides, "steps": steps, "warmup": warmup}
+    ranks = run_real(spec, nproc, timeout_s)
+    return result.report, compare(result.report, result.events, ranks)
+
+
+def main(argv: list[str]) -> int:
+    from validation.compare import as_json, format_markdown
+
+    args = build_parser().parse_args(argv)
+    if args.matrix:
+        from validation.matrix import run_matrix
+
+        run_matrix(out=args.out or "VALIDATION.md", steps=args.steps, warmup=args.warmup, nproc=args.nproc)
+        return 0
+    if args.scenario is None:
+        raise UserError("validate needs a scenario file (or --matrix)")
+    if args.steps < 1 or args.warmup < 1 or args.nproc < 1:
+        raise UserError(
+            "--steps, --warmup and --nproc must be >= 1 (one warm-up step creates the optimizer state)"
+        )
+    report, comparison = validate_one(
+        args.scenario, args.overrides, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
+        profile=args.profile, timeout_s=args.timeout,
+    )  # fmt: skip
+    text = format_markdown(f"{args.scenario} on {args.nproc} ranks", comparison)
+    print(json.dumps(as_json(comparison), indent=2) if args.format == "json" else text)
+    if args.out:
+        write_text_atomic(args.out, text + "\n")
+    return 0 if comparison.collectives_match else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,142 @@
+"""Predicted against measured: the side-by-side table of one validation."""
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim.events import EventTable, MemoryCategory, OpKind
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def simulated_phases(table: EventTable, rank: int = 0) -> dict[str, float]:
+    """Forward, backward and optimizer time of one rank, split where a real run's timers split.
+
+    Forward runs from a micro-batch's first op to its last forward op (``model(...)``); backward
+    from there to its last op (``loss.backward()``, including the final callback's reductions).
+    """
+    ops = table.ops_of(rank)
+    phases = dict.fromkeys(PHASES, 0.0)
+    for mb in sorted({o.microbatch for o in ops}):
+        mine = [o for o in ops if o.microbatch == mb and o.kind is not OpKind.OPTIMIZER]
+        forward_end = max(o.end_s for o in mine if o.kind is OpKind.FORWARD)
+        phases["forward"] += forward_end - min(o.start_s for o in mine)
+        phases["backward"] += max(o.end_s for o in mine) - forward_end
+    phases["optimizer"] = sum(o.duration_s for o in ops if o.kind is OpKind.OPTIMIZER)
+    return phases
+
+
+@dataclass
+class Row:
+    metric: str
+    predicted: float
+    measured: float
+    unit: str
+
+    @property
+    def error(self) -> float | None:
+        """Signed relative error of the prediction."""
+        return (self.predicted - self.measured) / self.measured if self.measured else None
+
+
+@dataclass
+class Comparison:
+    rows: list[Row] = field(default_factory=list)
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+    measured_step_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def collectives_match(self) -> bool:
+        return all(c["match"] for c in self.collectives)
+
+    def error(self, metric: str) -> float | None:
+        return next(r.error for r in self.rows if r.metric == metric)
+
+
+def measured_step(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """Median, min and max over steps of the slowest rank's step time (steps start at a barrier)."""
+    per_step = [max(times) for times in zip(*(r["step_times_s"] for r in ranks), strict=True)]
+    return {"median": statistics.median(per_step), "min": min(per_step), "max": max(per_step)}
+
+
+def compare(report: dict[str, Any], table: EventTable, ranks: list[dict[str, Any]]) -> Comparison:
+    out = Comparison(measured_step_s=measured_step(ranks))
+    out.rows.append(Row("step time", report["step_time_s"], out.measured_step_s["median"], "s"))
+    predicted_phases = simulated_phases(table)
+    for phase in PHASES:
+        measured = max(r["phases_s"][phase] for r in ranks)
+        out.rows.append(Row(f"{phase}", predicted_phases[phase], measured, "s"))
+    peak_rank = max(ranks, key=lambda r: r["memory_peak"]["total"])["memory_peak"]
+    out.rows.append(Row("peak memory", report["peak_memory_bytes"], peak_rank["total"], "B"))
+    for category in MemoryCategory:
+        out.rows.append(
+            Row(
+                f"  {category.value}",
+                report["memory_at_peak_bytes"][category.value],
+                peak_rank.get(category.value, 0),
+                "B",
+            )
+        )
+    real = ranks[0]["collectives"]
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        p = report["collectives"].get(kind, {"count": 0, "bytes": 0})
+        m = real.get(kind, {"count": 0, "bytes": 0})
+        if p["count"] or m["count"]:
+            out.collectives.append(
+                {
+                    "collective": kind,
+                    "predicted_count": int(p["count"]),
+                    "measured_count": m["count"],
+                    "predicted_bytes": int(p["bytes"]),
+                    "measured_bytes": m["bytes"],
+                    "match": int(p["count"]) == m["count"] and int(p["bytes"]) == m["bytes"],
+                }
+            )
+    return out
+
+
+def _fmt(value: float, unit: str) -> str:
+    return f"{value * 1e3:,.2f} ms" if unit == "s" else f"{value / 1e6:,.3f} MB"
+
+
+def format_markdown(title: str, comparison: Comparison) -> str:
+    lines = [f"### {title}", "", "| metric | predicted | measured | error |", "|---|---|---|---|"]
+    for row in comparison.rows:
+        err = "n/a" if row.error is None else f"{row.error:+.1%}"
+        lines.append(
+            f"| {row.metric} | {_fmt(row.predicted, row.unit)} | {_fmt(row.measured, row.unit)} | {err} |"
+        )
+    s = comparison.measured_step_s
+    lines += [
+        "",
+        f"Measured step: median {s['median'] * 1e3:.2f} ms, min {s['min'] * 1e3:.2f}, max {s['max'] * 1e3:.2f}.",
+        "",
+    ]
+    lines += [
+        "| collective | predicted count | measured count | predicted bytes | measured bytes | match |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in comparison.collectives:
+        lines.append(
+            f"| {c['collective']} | {c['predicted_count']} | {c['measured_count']} | {c['predicted_bytes']:,} | "
+            f"{c['measured_bytes']:,} | {'yes' if c['match'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def as_json(comparison: Comparison) -> dict[str, Any]:
+    return {
+        "rows": [
+            {
+                "metric": r.metric.strip(),
+                "predicted": r.predicted,
+                "measured": r.measured,
+                "unit": r.unit,
+                "error": r.error,
+            }
+            for r in comparison.rows
+        ],
+        "measured_step_s": comparison.measured_step_s,
+        "collectives": comparison.collectives,
+        "collectives_match": comparison.collectives_match,
+    }

@@ -1,0 +1,49 @@
+"""Count the collectives a real step issues, at the dispatcher (what FSDP2 calls) or in DDP's hook."""
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d dispatcher ops -> (collective, index of the argument whose size is nccl-tests' size)
+C10D_OPS = {
+    "c10d._allgather_base_": ("all_gather", 0),  # output tensor
+    "c10d._reduce_scatter_base_": ("reduce_scatter", 1),  # input tensor
+    "c10d.allreduce_": ("all_reduce", 0),  # list of tensors
+}
+
+
+def _nbytes(arg: Any) -> int:
+    if isinstance(arg, list | tuple):
+        return sum(_nbytes(a) for a in arg)
+    return arg.numel() * arg.element_size() if isinstance(arg, torch.Tensor) else 0
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts c10d collectives issued on this thread: {collective: {"count", "bytes"}}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = f"{func.namespace}.{func._opname}"
+        if name in C10D_OPS:
+            collective, index = C10D_OPS[name]
+            self.counts[collective]["count"] += 1
+            self.counts[collective]["bytes"] += _nbytes(args[index])
+        return func(*args, **(kwargs or {}))
+
+
+def counting_allreduce_hook(counts: dict[str, dict[str, int]]):
+    """A DDP comm hook that counts each bucket's all-reduce, then runs DDP's default one."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):
+        entry = counts.setdefault("all_reduce", {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += _nbytes(bucket.buffer())
+        return allreduce_hook(state, bucket)
+
+    return hook

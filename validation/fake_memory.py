@@ -1,0 +1,266 @@
+"""Real FSDP2 peak memory of one rank of any world size, in one process, without real memory.
+
+``python -m validation.fake_memory SCENARIO [--set k=v ...] [--detail]`` prints one JSON object.
+
+How (the recipe of torchtitan's memory estimator, checked here against a real 2-process gloo run
+of the same scenario: identical bytes in every tracker category):
+- a fake process group (``FakeStore``, backend ``"fake"``, rank 0 of ``parallel.world_size``):
+  collectives are issued and return without moving data or allocating temporaries;
+- the device mesh built outside the fake mode, exactly as ``validation.worker`` builds it (1-D
+  ``("shard",)``; HYBRID_SHARD 2-D ``("replicate", "shard")``), on device type ``"cpu"``;
+- the model built under ``FakeTensorMode`` (tensors with shapes and dtypes but no storage), then
+  wrapped by ``validation.build.wrap`` and given ``AdamW(foreach=True)``;
+- one untracked step (creates the optimizer state), then ``FSDPMemTracker`` around one more step
+  (``validation.worker.Trainer.step``: forward, backward, ``optimizer.step()``,
+  ``zero_grad(set_to_none=True)``).
+Kernels are the CPU ones (attention, loss); which attention kernel ran is recorded in ``kernels``.
+NO_SHARD (DDP) is not supported: DDP's reducer needs real tensors.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sim.errors import UserError
+from sim.scenario import Scenario, Strategy, load_scenario
+from validation.build import build_llama, wrap
+from validation.worker import TRACKER_CATEGORIES, Trainer, _mesh
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
+# aten ops that tell which attention / loss kernel a CPU step ran
+KERNEL_OPS = {
+    "attention": ("scaled_dot_product", "aten._softmax.", "aten._safe_softmax."),
+    "loss": ("nll_loss", "cross_entropy", "log_softmax"),
+}
+PEAK_TOP = 10  # storage sizes listed per category in ``peak_detail``
+
+
+class FakeTrainer(Trainer):
+    """``validation.worker.Trainer`` with the model built under the active fake mode on a given mesh."""
+
+    def __init__(self, scenario: Scenario, mesh: Any):  # noqa: D107 (same fields as Trainer)
+        self.scenario = scenario
+        self.rank = dist.get_rank()
+        model = build_llama(scenario.model, scenario.training.seq_len)
+        self.wrapped = wrap(model, scenario, mesh)
+        self.model = self.wrapped.model
+        self.ddp_counts = {}
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
+        self.autocast = False  # FSDP2 mixed precision is the MixedPrecisionPolicy, not autocast
+
+
+class KernelRecorder(TorchDispatchMode):
+    """Records the aten overloads of the attention and loss kernels a step dispatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: dict[str, list[str]] = {kind: [] for kind in KERNEL_OPS}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        for kind, words in KERNEL_OPS.items():
+            if any(w in name for w in words) and name not in self.kernels[kind]:
+                self.kernels[kind].append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def attention_kernel(kernels: dict[str, list[str]]) -> str:
+    """The simulator's ``backend.attention_kernel`` for the recorded ops: "flash" or "math"."""
+    names = kernels.get("attention", [])
+    fused = any("flash" in n or "efficient" in n or "cudnn" in n for n in names)
+    return "flash" if fused else "math"
+
+
+def _tracker_class() -> type:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class PeakTracker(FSDPMemTracker):
+        """FSDPMemTracker that also notes where the peak happened (and, with detail, what was live)."""
+
+        def __init__(self, *args: Any, detail: bool = False, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.detail = detail
+            self.last_op = ""
+            self.peak_where: dict[str, Any] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.last_op = str(func)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _track(self, reftype: Any, t: torch.Tensor) -> None:
+            super()._track(reftype, t)
+            if self.detail:  # note the op that created each storage
+                from torch.distributed._tools.common_utils import get_untyped_storages
+
+                for st in get_untyped_storages(t):
+                    winfo, _ = self._WINFO.get(st, (None, None))
+                    if winfo is not None and not hasattr(winfo, "created_by"):
+                        winfo.created_by = self.last_op.removeprefix("aten.").removesuffix(".default")
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            before = dict(self._peak_mem)
+            super()._update_peak_stats(peak_state)
+            if self._peak_mem != before:
+                phase = "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+                self.peak_where = {
+                    "op": self.last_op,
+                    "phase": phase,
+                    "modules": sorted(self._mod_tracker.parents),
+                }
+                if self.detail:
+                    self.peak_where["storages"] = self._live_storages()
+
+        def _live_storages(self) -> dict[str, list[list[Any]]]:
+            """Per tracker category, the largest groups of live storages: [[bytes, count, op], ...]."""
+            sizes: Counter[tuple[str, int, str]] = Counter()
+            for winfo, w_st in list(self._WINFO.values()):
+                if w_st() is not None and winfo.mem_consumed > 0:
+                    op = getattr(winfo, "created_by", "before the step")
+                    sizes[(_name(winfo.reftype), winfo.mem_consumed, op)] += 1
+            out: dict[str, list[list[Any]]] = {}
+            for (category, nbytes, op), count in sorted(sizes.items(), key=lambda kv: -kv[0][1] * kv[1]):
+                if len(out.setdefault(category, [])) < PEAK_TOP:
+                    out[category].append([nbytes, count, op])
+            return out
+
+    return PeakTracker
+
+
+def _name(key: Any) -> str:
+    return str(getattr(key, "value", key))  # tracker keys are str enums (_FSDPRefType) and "Total"
+
+
+def categories(snapshot: dict[str, int]) -> dict[str, int]:
+    """A tracker snapshot in the simulator's categories (``validation.worker.TRACKER_CATEGORIES``)."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for name, value in snapshot.items():
+        if name != "Total":
+            key = TRACKER_CATEGORIES.get(name, "other")
+            out[key] = out.get(key, 0) + int(value)
+    return out
+
+
+def _check_supported(scenario: Scenario) -> None:
+    if scenario.parallel.strategy is Strategy.NO_SHARD:
+        raise UserError(
+            f"{scenario.source}: parallel.strategy = NO_SHARD is not supported in fake mode "
+            "(DDP's reducer needs real tensors); measure it with a real run (validation.worker)"
+        )
+    if dist.is_initialized():
+        raise UserError(
+            "fake memory measurement needs a process without a process group "
+            "(use measure_fake_memory_subprocess: the fake group and fake mode leak global state)"
+        )
+
+
+def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, Any]:
+    """Peak bytes of rank 0 in one tracked FSDP2 step at ``parallel.world_size`` ranks, by category.
+
+    Returns ``total`` (the tracker's peak), the six simulator categories at that peak, ``raw``
+    (the tracker's own categories), ``world_size``, ``wall_s`` (build and both steps),
+    ``kernels`` (attention/loss aten ops that ran, ``attention_kernel`` in the simulator's terms)
+    and ``peak_at`` (op, phase, modules at the peak; live storage sizes with ``detail``).
+    Leaves a destroyed process group and global fake-mode state behind: call once per process.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _check_supported(scenario)
+    start = time.perf_counter()
+    k = scenario.parallel.world_size
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=k)
+    try:
+        mesh = _mesh(scenario)  # outside the fake mode: DeviceMesh needs real rank tensors
+        with FakeTensorMode():
+            trainer = FakeTrainer(scenario, mesh)
+            with KernelRecorder() as recorder:
+                trainer.step(0)  # untracked: creates the optimizer state
+            tracker = _tracker_class()(trainer.model, trainer.optimizer, detail=detail)
+            with tracker:
+                trainer.step(1)
+            snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    finally:
+        dist.destroy_process_group()
+    raw = {_name(name): int(value) for name, value in snapshot.items()}
+    return {
+        "total": raw.get("Total", 0),
+        **categories(raw),
+        "raw": raw,
+        "world_size": k,
+        "wall_s": time.perf_counter() - start,
+        "kernels": {**recorder.kernels, "attention_kernel": attention_kernel(recorder.kernels)},
+        "peak_at": tracker.peak_where,
+    }
+
+
+def measure_fake_memory_subprocess(
+    scenario_path: str, overrides: list[str], timeout_s: float, detail: bool = False
+) -> dict[str, Any]:
+    """``measure_fake_memory`` in a fresh ``python -m validation.fake_memory`` child.
+
+    Adds ``process_wall_s`` (the whole child, imports included) and ``max_rss_bytes`` (the
+    child's peak resident memory). A failing or timed-out child raises a UserError.
+    """
+    cmd = [sys.executable, "-m", "validation.fake_memory", str(scenario_path)]
+    for text in overrides:
+        cmd += ["--set", text]
+    if detail:
+        cmd.append("--detail")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=root)
+    except subprocess.TimeoutExpired:
+        raise UserError(
+            f"fake memory measurement of {scenario_path} {' '.join(overrides)} timed out after {timeout_s:.0f} s"
+        ) from None
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
+        raise UserError(
+            f"fake memory measurement of {scenario_path} {' '.join(overrides)} failed "
+            f"(exit code {proc.returncode}):\n{tail}"
+        )
+    try:
+        result: dict[str, Any] = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        raise UserError(
+            f"fake memory measurement of {scenario_path}: no JSON in the child's output"
+        ) from None
+    result["process_wall_s"] = time.perf_counter() - start
+    return result
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m validation.fake_memory", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("scenario")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--detail", action="store_true", help="list the storages live at the peak")
+    args = parser.parse_args(argv)
+    try:
+        result = measure_fake_memory(load_scenario(args.scenario, args.overrides), detail=args.detail)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
