@@ -24,6 +24,9 @@ def _add_run(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     run.add_argument("--out", metavar="FILE", help="also write the report (in --format) to FILE")
     run.add_argument("--timeline", metavar="HTML", help="write an interactive plotly timeline")
     run.add_argument("--trace", metavar="JSON", help="write a Chrome trace (open in Perfetto)")
+    run.add_argument(
+        "--trace-dir", metavar="DIR", help="write one Chrome trace per rank (rank<r>.trace.json, for HTA)"
+    )
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -49,11 +52,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
             device_memory_bytes=result.report["device_memory_bytes"],
         )
         print(f"timeline written to {args.timeline}", file=sys.stderr)
-    if args.trace:
-        from sim.chrome_trace import write_chrome_trace
+    if args.trace or args.trace_dir:
+        from sim.chrome_trace import write_chrome_trace, write_chrome_trace_per_rank
 
-        write_chrome_trace(result.events, args.trace)
-        print(f"trace written to {args.trace}", file=sys.stderr)
+        dtype = result.scenario.reduce_dtype
+        if args.trace:
+            write_chrome_trace(result.events, args.trace, reduce_dtype=dtype)
+            print(f"trace written to {args.trace}", file=sys.stderr)
+        if args.trace_dir:
+            files = write_chrome_trace_per_rank(result.events, args.trace_dir, reduce_dtype=dtype)
+            print(f"{len(files)} per-rank traces written to {args.trace_dir}", file=sys.stderr)
     return 0
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from sim.events import OpKind
 from sim.intervals import exposed_comm_intervals, union_length
-from sim.timeline import KIND_COLOURS, pareto_front, timeline_figure, write_sweep_plots, write_timeline_html
+from sim.sweep_plots import pareto_front, write_sweep_plots
+from sim.timeline import KIND_COLOURS, timeline_figure, write_timeline_html
 
 try:
     from browser import DevTools, decode_png, find_chromium, synthetic_table
