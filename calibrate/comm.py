@@ -19,6 +19,7 @@ from calibrate.groups import GroupFamily, plan_group_families
 from calibrate.profile_io import comm_profile, write_profile_atomic
 from calibrate.records import Curve, CurveKey, Point
 from calibrate.sweep_plan import CPU_DEFAULTS, GPU_DEFAULTS, SweepConfig
+from calibrate.watchdog import Watchdog
 from sim.errors import UserError
 
 FAULT_EXIT_CODE = 17
@@ -83,13 +84,11 @@ def _maybe_fault(fault: Fault | None, rank: int, index: int) -> None:
         time.sleep(3600)
 
 
-def sweep_all(req: CommRequest, cfg: SweepConfig, env: RankEnv, device: Any) -> list[Curve]:
+def sweep_all(req: CommRequest, cfg: SweepConfig, env: RankEnv, device: Any, dog: Watchdog) -> list[Curve]:
     """Measure every (family, collective, dtype, size); identical results on every rank."""
     from calibrate.sweep import build_op, measure_point
     from calibrate.sweep_plan import iters_for, sizes_for
-    from calibrate.watchdog import Watchdog
 
-    dog = Watchdog(env.rank)
     families = plan_group_families(env.world_size, env.local_world_size, req.shard_size)
     curves, index = [], 0
     for fam, pg in _make_groups(families, env.rank):
@@ -143,13 +142,18 @@ def run_comm(req: CommRequest, env: RankEnv) -> None:
 
     from calibrate import device_probe
 
+    dog = Watchdog(env.rank)
+    dog.arm("joining the process group", req.timeout_s)
     backend, device = init_distributed(env, req.timeout_s)
+    dog.disarm()
     try:
         cfg = resolve_sweep(req, device.type)
         started = time.perf_counter()
-        curves = sweep_all(req, cfg, env, device)
+        curves = sweep_all(req, cfg, env, device, dog)
+        dog.arm("the device measurements", req.timeout_s)
         probed = mean_over_ranks(device_probe.probe_device(device, ("fp32", "bf16")), device)
         dist.barrier()
+        dog.disarm()
         if env.rank == 0:
             evidence = {d: device_probe.sdpa_kernel(device, d) for d in ("fp32", "bf16")}
             dev = {

@@ -28,7 +28,7 @@ def _measure(target: ComputeTarget, device: Any, reps: int) -> tuple[dict[str, U
     }
     extra: dict[str, Any] = {
         "copy": overheads.copy_rates(target, device, max(reps, 20)),
-        "optimizer_s_per_param": overheads.optimizer_s_per_param(target, device, reps),
+        "optimizer_s_per_param": overheads.optimizer_s_per_param(target, device, max(reps, 10)),
     }
     extra["slowdown"], extra["slowdown_raw"] = overheads.slowdown_during_collective(
         units["block"], device, reps
@@ -116,11 +116,11 @@ def run_compute(
 
     from calibrate.watchdog import Watchdog
 
+    dog = Watchdog(env.rank)
+    dog.arm("joining the process group and the compute calibration", timeout_s)
     backend, device = init_distributed(env, timeout_s)
     try:
         started = time.perf_counter()
-        dog = Watchdog(env.rank)
-        dog.arm("the compute calibration", timeout_s)
         measured, extra = _measure(target, device, reps)
         avg = _averaged(measured, extra, device)
         dist.barrier()

@@ -158,3 +158,38 @@ def test_group_families_for_hybrid_shard_layouts() -> None:
 )
 def test_sizes_use_binary_units_like_nccl_tests(text: str, value: int) -> None:
     assert parse_size(text) == value
+
+
+def _torchrun(nproc: int, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "calibrate", "comm", "--out", str(out), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_torchrun_entry_point(tmp_path: Path) -> None:
+    out = tmp_path / "torchrun.json"
+    proc = _torchrun(2, out, *SMALL, "--dtypes", "fp32", "--collectives", "all_gather")
+    assert proc.returncode == 0, proc.stderr
+    prof = load_profile(str(out))
+    assert [(c.collective, c.group_size, c.dtype) for c in prof.collectives] == [("all_gather", 2, "fp32")]
+    assert json.loads(out.read_text())["source"]["command"].startswith("torchrun")
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_sweep(tmp_path: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    out = tmp_path / "gpu.json"
+    proc = _torchrun(min(torch.cuda.device_count(), 8), out, "--max-bytes", "64M")
+    assert proc.returncode == 0, proc.stderr
+    prof = load_profile(str(out))
+    assert prof.backend.name == "nccl" and prof.backend.overlaps_comm_compute
+    assert all(c.sizes_bytes[-1] >= 32 << 20 for c in prof.collectives)
+    doc = json.loads(out.read_text())
+    assert all(p["wrong"] == 0 for c in doc["collectives"] for p in c["points"])

@@ -1,0 +1,196 @@
+"""``calibrate compute`` on the tiny preset for real, the memory probes, and the dimension check."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from calibrate.compute import ComputeTarget, check_compute_matches, validate_compute_section
+from calibrate.memtrack import SavedTensorBytes, transient_bytes
+from sim.builtin_profiles import BUILTIN_PROFILES
+from sim.cli import main as fsdpsim_main
+from sim.errors import UserError
+from sim.model import PRESETS
+from sim.profile import load_profile
+from sim.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "scenarios" / "tiny.toml"
+CPU = torch.device("cpu")
+
+
+def run_calibrate(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    }
+    cmd = [sys.executable, "-m", "calibrate", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A datasheet profile with a compute section measured for scenarios/tiny.toml by 2 ranks."""
+    path = tmp_path_factory.mktemp("compute") / "cpu.json"
+    base = copy.deepcopy(BUILTIN_PROFILES["h100-sxm"])
+    base["name"] = "cpu-test"
+    path.write_text(json.dumps(base))
+    proc = run_calibrate("compute", str(TINY), "--profile", str(path), "--nproc", "2", "--reps", "2")
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
+def test_tiny_end_to_end_adds_a_compute_section(calibrated: Path) -> None:
+    prof = load_profile(str(calibrated))
+    assert prof.compute is not None and prof.device.name.startswith("NVIDIA H100")  # the rest is kept
+    c = prof.compute
+    validate_compute_section(c, "test")
+    sc = load_scenario(str(TINY))
+    check_compute_matches(
+        c, sc.model, sc.training.micro_batch, sc.training.seq_len, sc.precision.param_dtype, "t"
+    )
+    assert c["model"]["hidden"] == 64 and (c["micro_batch"], c["seq_len"], c["param_dtype"]) == (
+        2,
+        64,
+        "fp32",
+    )
+    for name, unit in c["units"].items():
+        assert unit["forward_s"] > 0 and unit["backward_s"] > 0, name
+        assert (unit["recompute_s"] > 0) == (name == "block"), name
+    assert (
+        c["copy_Bps"] > 0
+        and c["optimizer_s_per_param"]["adamw"] > 0
+        and c["optimizer_s_per_param"]["sgd"] > 0
+    )
+    assert c["compute_slowdown_during_collective"] >= 1.0
+    src = json.loads(calibrated.read_text())["source"]["compute"]
+    assert src["world_size"] == 2 and src["attention_kernel"].startswith("aten.")
+
+
+def test_measured_bytes_cover_the_tensors_that_must_be_saved(calibrated: Path) -> None:
+    units = json.loads(calibrated.read_text())["compute"]["units"]
+    b, s, h, v = 2, 64, 64, 512
+    assert units["embed"]["saved_activation_bytes"] == b * s * 8  # the int64 token ids
+    assert units["block"]["saved_activation_bytes"] >= 8 * b * s * h * 4  # norms, q/k/v, attention, MLP
+    assert units["head"]["saved_activation_bytes"] >= b * s * v * 4  # the fp32 log-softmax of the logits
+    assert units["head"]["backward_transient_bytes"] >= b * s * v * 4  # the logits' gradient
+
+
+def test_the_simulator_runs_the_scenario_on_the_calibrated_profile(
+    calibrated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert fsdpsim_main(["run", str(TINY), "--set", f"cluster.profile={calibrated}"]) == 0
+    assert "step time" in capsys.readouterr().out
+
+
+def test_other_dimensions_are_refused_by_name(calibrated: Path) -> None:
+    c = json.loads(calibrated.read_text())["compute"]
+    tiny = PRESETS["tiny"]
+    with pytest.raises(UserError, match=r"seq_len=64 \(scenario: 128\)"):
+        check_compute_matches(c, tiny, 2, 128, "fp32", "profile p")
+    with pytest.raises(
+        UserError, match=r"model\.hidden=64 \(scenario: 256\).*param_dtype='fp32' \(scenario: 'bf16'\)"
+    ):
+        check_compute_matches(c, PRESETS["llama-5m"], 2, 64, "bf16", "profile p")
+    from dataclasses import replace
+
+    with pytest.raises(UserError, match="tie_embeddings"):
+        check_compute_matches(c, replace(tiny, tie_embeddings=True), 2, 64, "fp32", "profile p")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda c: c["units"].pop("block"), "missing field compute.units.block"),
+        (
+            lambda c: c["units"]["head"].update(forward_s=-1.0),
+            "compute.units.head.forward_s must be a number >= 0",
+        ),
+        (lambda c: c.update(compute_slowdown_during_collective=0.5), "compute_slowdown_during_collective"),
+        (lambda c: c.pop("copy_Bps"), "missing field compute.copy_Bps"),
+    ],
+)
+def test_a_malformed_compute_section_is_refused(calibrated: Path, edit, match: str) -> None:  # type: ignore[no-untyped-def]
+    c = json.loads(calibrated.read_text())["compute"]
+    edit(c)
+    with pytest.raises(UserError, match=match):
+        check_compute_matches(c, PRESETS["tiny"], 2, 64, "fp32", "profile p")
+
+
+def test_a_missing_or_corrupted_profile_exits_2_before_measuring(tmp_path: Path) -> None:
+    from calibrate.cli import main
+
+    assert main(["compute", str(TINY), "--profile", str(tmp_path / "none.json")]) == 2
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"schema_version": 1, "name": ')
+    assert main(["compute", str(TINY), "--profile", str(broken)]) == 2
+    assert broken.read_text() == '{"schema_version": 1, "name": '
+
+
+def test_scenario_and_flags_are_exclusive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from calibrate.cli import main
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(BUILTIN_PROFILES["a100-sxm-80g"]))
+    assert main(["compute", str(TINY), "--profile", str(path), "--model", "tiny"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_flags_describe_a_target_without_a_scenario_file() -> None:
+    from calibrate.cli import build_parser
+    from calibrate.cli_compute import target_from_args
+
+    args = build_parser().parse_args(
+        [
+            "compute",
+            "--profile",
+            "p.json",
+            "--model",
+            "llama-5m",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "32",
+            "--param-dtype",
+            "bf16",
+        ]
+    )
+    assert target_from_args(args, 4) == ComputeTarget(
+        model=PRESETS["llama-5m"], micro_batch=1, seq_len=32, param_dtype="bf16", world_size=4
+    )
+
+
+def test_transient_is_the_peak_above_what_the_call_leaves_allocated() -> None:
+    x = torch.randn(1000, 1000, requires_grad=True)
+    # mul's output (4 MB) lives while exp writes its output (4 MB); exp's output stays (saved).
+    out, transient = transient_bytes(lambda: (x * 2).exp(), CPU)
+    assert transient == 4_000_000 and out.shape == (1000, 1000)
+    _, none = transient_bytes(lambda: x.detach().add_(1), CPU)
+    assert none == 0
+
+
+def test_saved_bytes_count_each_storage_once_and_skip_parameters() -> None:
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    x = torch.randn(4, 256, requires_grad=True)
+    with SavedTensorBytes([w]) as saved:
+        y = x @ w  # saves x and w
+        z = y[:, :128] * y[:, 128:]  # saves two views of y's storage
+    assert saved.bytes == x.numel() * 4 + y.numel() * 4
+    assert z.shape == (4, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_compute_of_the_tiny_preset(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.json"
+    base = copy.deepcopy(BUILTIN_PROFILES["h100-sxm"])
+    path.write_text(json.dumps(base))
+    proc = run_calibrate("compute", str(TINY), "--profile", str(path), "--nproc", "1", "--reps", "3")
+    assert proc.returncode == 0, proc.stderr
+    c = load_profile(str(path)).compute
+    assert c is not None and c["units"]["block"]["forward_s"] > 0
+    assert json.loads(path.read_text())["source"]["compute"]["backend"] == "nccl"
