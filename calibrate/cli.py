@@ -85,6 +85,12 @@ def _add_comm(sub: argparse._SubParsersAction) -> None:
         help="default: all three",
     )
     p.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="auto: nccl on CUDA GPUs, else gloo",
+    )
+    p.add_argument(
         "--shard-size",
         type=int,
         help="also measure HSDP shard groups of this size and their replicate groups",
@@ -128,6 +134,12 @@ def _add_compute(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, help="instead of a scenario file")
     p.add_argument("--param-dtype", choices=("fp32", "bf16"), help="instead of a scenario file")
     p.add_argument("--nproc", type=int, help="launch N local ranks (they compute at once, as in training)")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="auto: nccl and CUDA on GPUs, else gloo and CPU",
+    )
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (default 5)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a stuck rank fails the run")
 

@@ -46,6 +46,7 @@ def run_comm_command(args: argparse.Namespace, command: str) -> None:
         dtypes=args.dtypes,
         collectives=args.collectives,
         timeout_s=args.timeout,
+        backend=args.backend,
         shard_size=args.shard_size,
         fault=args.fault,
         command=command,

@@ -67,13 +67,14 @@ def run_compute_command(args: argparse.Namespace, command: str) -> None:
     if not os.environ.get(WORKER_ENV) and args.nproc:
         raise UserError("--nproc starts its own ranks; do not combine it with torchrun")
     target = target_from_args(args, env.world_size)
-    run_compute(target, Path(args.profile), env, args.reps, args.timeout, command)
+    run_compute(target, Path(args.profile), env, args.reps, args.timeout, command, args.backend)
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
     """The worker command line: the same request, without --nproc."""
     out = ["compute"] + ([args.scenario] if args.scenario else [])
     out += ["--profile", str(args.profile), "--reps", str(args.reps), "--timeout", str(args.timeout)]
+    out += ["--backend", args.backend]
     for o in args.overrides:
         out += ["--set", o]
     for flag, value in (

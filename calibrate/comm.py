@@ -42,6 +42,7 @@ class CommRequest:
     dtypes: tuple[str, ...]
     collectives: tuple[str, ...]
     timeout_s: float
+    backend: str
     shard_size: int | None
     fault: Fault | None
     command: str
@@ -144,7 +145,7 @@ def run_comm(req: CommRequest, env: RankEnv) -> None:
 
     dog = Watchdog(env.rank)
     dog.arm("joining the process group", req.timeout_s)
-    backend, device = init_distributed(env, req.timeout_s)
+    backend, device = init_distributed(env, req.timeout_s, req.backend)
     dog.disarm()
     try:
         cfg = resolve_sweep(req, device.type)

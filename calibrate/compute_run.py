@@ -110,7 +110,13 @@ def _hf_version() -> str:
 
 
 def run_compute(
-    target: ComputeTarget, profile: Path, env: RankEnv, reps: int, timeout_s: float, command: str
+    target: ComputeTarget,
+    profile: Path,
+    env: RankEnv,
+    reps: int,
+    timeout_s: float,
+    command: str,
+    backend: str = "auto",
 ) -> None:
     import torch.distributed as dist
 
@@ -118,7 +124,7 @@ def run_compute(
 
     dog = Watchdog(env.rank)
     dog.arm("joining the process group and the compute calibration", timeout_s)
-    backend, device = init_distributed(env, timeout_s)
+    backend, device = init_distributed(env, timeout_s, backend)
     try:
         started = time.perf_counter()
         measured, extra = _measure(target, device, reps)

@@ -41,16 +41,25 @@ def rank_env() -> RankEnv | None:
         raise UserError(f"bad torchrun environment: {e}") from None
 
 
-def init_distributed(env: RankEnv, timeout_s: float) -> tuple[str, Any]:
+def init_distributed(env: RankEnv, timeout_s: float, backend: str = "auto") -> tuple[str, Any]:
     """Join the process group; returns (backend name, torch.device of this rank).
 
-    The process-group timeout is longer than the watchdog's so the watchdog speaks first.
+    ``backend`` "auto" is NCCL on CUDA GPUs when there is one GPU per local rank, else gloo on
+    the CPU. The process-group timeout is longer than the watchdog's so the watchdog speaks first.
     """
     import torch
     import torch.distributed as dist
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        backend = "nccl" if gpus else "gloo"
+    if backend == "nccl":
+        if env.local_world_size > gpus:
+            raise UserError(
+                f"{env.local_world_size} ranks per node but {gpus} CUDA GPU(s): NCCL needs one GPU per rank "
+                "(use fewer ranks, or --backend gloo to calibrate the CPU)"
+            )
+        device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s + 60), device_id=device)
         return "nccl", device
