@@ -7,15 +7,13 @@ that ran (CPU flash here) and no collective temporaries (the fake group allocate
 Issue target: a 1.3B-parameter model at world size 8 in ~12 s and ~330 MB of RAM.
 """
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
-from sim.profile import HardwareProfile, load_profile
 from sim.scenario import Scenario, load_scenario
-from sim.simulate import simulate
-from validation.fake_memory import CATEGORIES, measure_fake_memory_subprocess
+from validation.fake_memory import measure_fake_memory_subprocess
+from validation.memory_only import compare_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = str(ROOT / "scenarios" / "llama2-7b-8xh100-zero3.toml")  # Llama-2-7B, mb 2 x 4096, bf16/fp32
@@ -38,23 +36,16 @@ CONFIGS: list[tuple[str, list[str]]] = [
 ]
 
 
-def matching_profile(scenario: Scenario, attention_kernel: str) -> HardwareProfile:
-    """The scenario's profile with the kernel that ran and no backend collective temporaries."""
-    profile = load_profile(scenario.cluster.profile, where=f"{scenario.source}: cluster.profile")
-    backend = dataclasses.replace(
-        profile.backend, attention_kernel=attention_kernel, collective_temp_buffers=False
-    )
-    return dataclasses.replace(profile, backend=backend)
-
-
 def compare(scenario: Scenario, measured: dict[str, Any]) -> dict[str, Any]:
     """Simulated peak and categories beside the measured ones, with signed % errors."""
-    report = simulate(scenario, matching_profile(scenario, measured["kernels"]["attention_kernel"])).report
-    rows = {"total": (report["peak_memory_bytes"], measured["total"])}
-    rows |= {c: (report["memory_at_peak_bytes"].get(c, 0), measured[c]) for c in CATEGORIES}
+    rows = compare_memory(scenario, measured).rows
     return {
-        name: {"simulated": s, "measured": m, "error_pct": 100.0 * (s - m) / m if m else None}
-        for name, (s, m) in rows.items()
+        ("total" if r.metric == "peak memory" else r.metric.strip()): {
+            "simulated": r.predicted,
+            "measured": r.measured,
+            "error_pct": None if r.error is None else 100.0 * r.error,
+        }
+        for r in rows
     }
 
 

@@ -58,7 +58,8 @@ class ComputeCosts:
         return op.flops / (self.peak_flops * self.efficiency) + op.memory_bytes / self.hbm_bandwidth_Bps
 
     def _scale(self, op: LayerOp, quantity: str) -> float:
-        return getattr(self.scales.get(op.group, GroupScale()), quantity)
+        group = op.group
+        return getattr(self.scales.get(group, GroupScale()) if group else GroupScale(), quantity)
 
     def forward_s(self, seg: Segment) -> float:
         return sum(self.op_forward_s(op) * self._scale(op, "forward") for op in seg.ops)

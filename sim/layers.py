@@ -33,6 +33,7 @@ class LayerKind(StrEnum):
     LINEAR = "linear"
     ATTENTION = "attention"
     MLP_ACT = "mlp_act"
+    ROTARY = "rotary"
     LOSS = "loss"
 
 
@@ -64,9 +65,12 @@ class LayerOp:
     backward_transient_bytes: int = 0
 
     @property
-    def group(self) -> CalibrationGroup:
+    def group(self) -> CalibrationGroup | None:
+        """The measured group this op belongs to; None for work ``calibrate compute`` does not time."""
         if self.block is not None:
             return CalibrationGroup.BLOCK
+        if self.kind is LayerKind.ROTARY:
+            return None
         return CalibrationGroup.EMBED if self.kind is LayerKind.EMBED else CalibrationGroup.HEAD
 
 
@@ -194,8 +198,18 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> list[LayerOp]:
             params=(embed,),
             flops=0.0,
             memory_bytes=float(t * cfg.hidden * a),
-            saved_bytes=t * INDEX_BYTES + 2 * w.seq_len * cfg.head_dim * a,  # ids, RoPE cos and sin
-        )
+            saved_bytes=t * INDEX_BYTES,  # the token ids
+        ),
+        LayerOp(
+            name="model.rotary_emb",
+            module="model.rotary_emb",
+            kind=LayerKind.ROTARY,
+            block=None,
+            params=(),
+            flops=0.0,
+            memory_bytes=float(2 * w.seq_len * cfg.head_dim * a),
+            saved_bytes=2 * w.seq_len * cfg.head_dim * a,  # cos and sin, shared by every layer
+        ),
     ]
     for i in range(cfg.n_layers):
         ops += block_ops(cfg, i, w)
@@ -226,8 +240,9 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> list[LayerOp]:
             memory_bytes=3.0 * t * vocab * FP32_BYTES,
             saved_bytes=t * vocab * FP32_BYTES + t * INDEX_BYTES,  # log-softmax output, labels
             forward_transient_bytes=t * vocab * a + upcast,  # the logits and their fp32 copy
-            # grad of log-softmax output and of its input in fp32, then the cast back to ``a``
-            backward_transient_bytes=2 * t * vocab * FP32_BYTES + (t * vocab * a if upcast else 0),
+            # the fp32 grads of the log-softmax output and of its input; the cast back to ``a`` comes
+            # after the first is freed, so it never adds to the peak
+            backward_transient_bytes=2 * t * vocab * FP32_BYTES,
         )
     )
     return ops

@@ -31,6 +31,8 @@ def llama_config(model: ModelConfig, seq_len: int) -> Any:
         num_key_value_heads=model.n_kv_heads,
         tie_word_embeddings=model.tie_embeddings,
         max_position_embeddings=max(seq_len, 128),
+        # training: no KV cache (with checkpoint_wrapper a cache would keep every layer's K/V)
+        use_cache=False,
         attn_implementation="sdpa",
     )
 

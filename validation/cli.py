@@ -28,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--matrix", action="store_true", help="run the validation matrix and write --out (VALIDATION.md)"
     )
+    p.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="measure one rank's real FSDP2 peak memory at the scenario's world size in one process "
+        "(fake process group) instead of running on --nproc ranks",
+    )
     return p
 
 
@@ -43,7 +49,11 @@ def calibrated_profile(
     elif calibrate_main(["comm", "--nproc", str(nproc), "--out", str(profile), "--max-bytes", "16M"]) != 0:
         raise UserError("calibrating the collectives failed (see above)")
     sets = [a for o in overrides for a in ("--set", o)]
-    if calibrate_main(["compute", scenario_path, "--profile", str(profile), *sets]) != 0:
+    # ranks compute at once in training: measure with as many ranks as the real run has
+    if (
+        calibrate_main(["compute", scenario_path, "--profile", str(profile), "--nproc", str(nproc), *sets])
+        != 0
+    ):
         raise UserError("calibrating the per-unit compute failed (see above)")
     return str(profile)
 
@@ -88,6 +98,8 @@ def main(argv: list[str]) -> int:
         return 0
     if args.scenario is None:
         raise UserError("validate needs a scenario file (or --matrix)")
+    if args.memory_only:
+        return _memory_only(args)
     if args.steps < 1 or args.warmup < 1 or args.nproc < 1:
         raise UserError(
             "--steps, --warmup and --nproc must be >= 1 (one warm-up step creates the optimizer state)"
@@ -101,6 +113,19 @@ def main(argv: list[str]) -> int:
     if args.out:
         write_text_atomic(args.out, text + "\n")
     return 0 if comparison.collectives_match else 1
+
+
+def _memory_only(args: argparse.Namespace) -> int:
+    from validation.compare import as_json, format_markdown
+    from validation.memory_only import validate_memory_only
+
+    comparison, measured = validate_memory_only(args.scenario, args.overrides, args.timeout)
+    title = f"{args.scenario} (memory only, one rank of {measured['world_size']}, fake process group)"
+    text = format_markdown(title, comparison)
+    print(json.dumps(as_json(comparison), indent=2) if args.format == "json" else text)
+    if args.out:
+        write_text_atomic(args.out, text + "\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -107,12 +107,15 @@ def format_markdown(title: str, comparison: Comparison) -> str:
             f"| {row.metric} | {_fmt(row.predicted, row.unit)} | {_fmt(row.measured, row.unit)} | {err} |"
         )
     s = comparison.measured_step_s
+    if s:
+        lines += [
+            "",
+            f"Measured step: median {s['median'] * 1e3:.2f} ms, min {s['min'] * 1e3:.2f}, max {s['max'] * 1e3:.2f}.",
+        ]
+    if not comparison.collectives:
+        return "\n".join(lines)
     lines += [
         "",
-        f"Measured step: median {s['median'] * 1e3:.2f} ms, min {s['min'] * 1e3:.2f}, max {s['max'] * 1e3:.2f}.",
-        "",
-    ]
-    lines += [
         "| collective | predicted count | measured count | predicted bytes | measured bytes | match |",
         "|---|---|---|---|---|---|",
     ]

@@ -1,0 +1,43 @@
+"""``fsdpsim validate --memory-only``: real FSDP2 peak memory of one rank at any world size
+(fake process group, FakeTensorMode, FSDPMemTracker) beside the simulator's prediction."""
+
+import dataclasses
+from typing import Any
+
+from sim.events import MemoryCategory
+from sim.profile import HardwareProfile, load_profile
+from sim.scenario import Scenario, load_scenario
+from sim.simulate import simulate
+from validation.compare import Comparison, Row
+
+
+def matching_profile(scenario: Scenario, attention_kernel: str) -> HardwareProfile:
+    """The scenario's profile with the attention kernel that ran and no backend temporaries
+    (the fake process group allocates none)."""
+    profile = load_profile(scenario.cluster.profile, where=f"{scenario.source}: cluster.profile")
+    backend = dataclasses.replace(
+        profile.backend, attention_kernel=attention_kernel, collective_temp_buffers=False
+    )
+    return dataclasses.replace(profile, backend=backend)
+
+
+def compare_memory(scenario: Scenario, measured: dict[str, Any]) -> Comparison:
+    """Predicted against measured peak memory and its categories."""
+    profile = matching_profile(scenario, measured["kernels"]["attention_kernel"])
+    report = simulate(scenario, profile).report
+    out = Comparison()
+    out.rows.append(Row("peak memory", report["peak_memory_bytes"], measured["total"], "B"))
+    for category in MemoryCategory:
+        c = category.value
+        out.rows.append(Row(f"  {c}", report["memory_at_peak_bytes"][c], measured.get(c, 0), "B"))
+    return out
+
+
+def validate_memory_only(
+    scenario_path: str, overrides: list[str], timeout_s: float
+) -> tuple[Comparison, dict[str, Any]]:
+    from validation.fake_memory import measure_fake_memory_subprocess
+
+    scenario = load_scenario(scenario_path, overrides)  # a user mistake fails here, before anything runs
+    measured = measure_fake_memory_subprocess(scenario_path, overrides, timeout_s)
+    return compare_memory(scenario, measured), measured
