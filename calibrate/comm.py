@@ -156,32 +156,37 @@ def run_comm(req: CommRequest, env: RankEnv) -> None:
         dist.barrier()
         dog.disarm()
         if env.rank == 0:
-            evidence = {d: device_probe.sdpa_kernel(device, d) for d in ("fp32", "bf16")}
-            dev = {
-                "name": device_probe.device_name(device),
-                "memory_bytes": device_probe.total_memory_bytes(device),
-                "compute_efficiency": 1.0,
-                **probed,
-            }
-            be = {
-                "name": backend,
-                "overlaps_comm_compute": backend == "nccl",
-                "collective_temp_buffers": backend == "gloo",
-                "attention_kernel": device_probe.attention_kernel(evidence),
-                "collective_launch_s": launch_cost_s(curves),
-            }
-            src = _source(req, cfg, env, backend, device, evidence, time.perf_counter() - started)
-            doc = comm_profile(
-                name=req.name, curves=curves, device=dev, backend=be,
-                gpus_per_node=env.local_world_size, source=src, topology_dtype=cfg.dtypes[0],
-            )  # fmt: skip
-            write_profile_atomic(req.out, doc)
-            print(
-                f"wrote {req.out} ({len(curves)} curves, {time.perf_counter() - started:.1f} s)", flush=True
-            )
+            _write(req, cfg, env, backend, device, curves, probed, started)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _write(req: CommRequest, cfg: SweepConfig, env: RankEnv, backend: str, device: Any, curves: list[Curve], probed: dict[str, Any], started: float) -> None:  # fmt: skip
+    """Rank 0: assemble the profile from the curves and the device measurements; write it atomically."""
+    from calibrate import device_probe
+
+    evidence = {d: device_probe.sdpa_kernel(device, d) for d in ("fp32", "bf16")}
+    dev = {
+        "name": device_probe.device_name(device),
+        "memory_bytes": device_probe.total_memory_bytes(device),
+        "compute_efficiency": 1.0,
+        **probed,
+    }
+    be = {
+        "name": backend,
+        "overlaps_comm_compute": backend == "nccl",
+        "collective_temp_buffers": backend == "gloo",
+        "attention_kernel": device_probe.attention_kernel(evidence),
+        "collective_launch_s": launch_cost_s(curves),
+    }
+    src = _source(req, cfg, env, backend, device, evidence, time.perf_counter() - started)
+    doc = comm_profile(
+        name=req.name, curves=curves, device=dev, backend=be,
+        gpus_per_node=env.local_world_size, source=src, topology_dtype=cfg.dtypes[0],
+    )  # fmt: skip
+    write_profile_atomic(req.out, doc)
+    print(f"wrote {req.out} ({len(curves)} curves, {time.perf_counter() - started:.1f} s)", flush=True)
 
 
 def _source(
