@@ -15,7 +15,7 @@ Shape (read by ``sim.compute_model``)::
          forward_transient_bytes, backward_transient_bytes}
 
 ``head`` is the final RMSNorm, the lm_head and HF's causal-LM cross-entropy loss; ``embed`` is the
-token embedding and the rotary position embedding (both run in the root module of a Llama).
+token embedding (the rotary tables are not part of any unit; ``sim.layers`` models them).
 A transient is the peak above what the unit leaves allocated when it returns (see
 ``calibrate.memtrack``).
 """

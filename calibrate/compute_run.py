@@ -73,7 +73,7 @@ def _source(target: ComputeTarget, env: RankEnv, backend: str, device: Any, avg:
 
     return {
         "method": (
-            f"calibrate compute: transformers {_hf_version()} LlamaDecoderLayer / Embedding+rotary / "
+            f"calibrate compute: transformers {_hf_version()} LlamaDecoderLayer / Embedding / "
             f"RMSNorm+lm_head+ForCausalLMLoss with random weights on {device}, {env.world_size} rank(s) measuring at once; "
             f"median of {reps} repetitions after a warm-up, averaged over ranks; recompute timed inside a "
             "non-reentrant torch.utils.checkpoint backward; saved bytes from saved_tensors_hooks (distinct "

@@ -1,7 +1,8 @@
 """The scenario's real layers, built by ``transformers`` with random weights: the three units.
 
-- embed: ``nn.Embedding`` (HF ``LlamaModel.embed_tokens``) and ``LlamaRotaryEmbedding`` (both
-  run in the root module);
+- embed: ``nn.Embedding`` (HF ``LlamaModel.embed_tokens``). The rotary tables
+  (``LlamaRotaryEmbedding``, computed once per forward in the root) are built once, outside every
+  unit, and passed to the block; the simulator models them analytically (``sim.layers``);
 - block: one ``LlamaDecoderLayer`` with SDPA attention, called as ``LlamaModel`` calls it
   (no mask, so SDPA runs causal, and the rotary ``position_embeddings``);
 - head: the final ``LlamaRMSNorm``, ``lm_head`` and HF's ``ForCausalLMLoss`` (logits upcast to
@@ -84,9 +85,7 @@ def build_units(target: ComputeTarget, device: torch.device, seed: int = 0) -> d
         cos_sin = rotary(torch.empty(1, device=device, dtype=dtype), position_ids)
 
     def run_embed(input_ids: torch.Tensor) -> torch.Tensor:
-        out = embed(input_ids)
-        rotary(out, position_ids)  # computed in the root, as LlamaModel.forward does
-        return out
+        return embed(input_ids)
 
     def run_block(x: torch.Tensor) -> torch.Tensor:
         return block(x, attention_mask=None, position_ids=position_ids, position_embeddings=cos_sin)
