@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from calibrate.compute import UnitMeasure
 from calibrate.layers import Unit
-from calibrate.memtrack import SavedTensorBytes, transient_bytes
+from calibrate.memtrack import SavedTensorBytes, peak_above_start
 
 
 def _sync(device: torch.device) -> None:
@@ -89,14 +89,20 @@ def recompute_s(unit: Unit, device: torch.device, reps: int) -> float:
 
 
 def memory(unit: Unit, device: torch.device) -> tuple[int, int, int]:
-    """(saved activation bytes, forward transient, backward transient) of one call."""
+    """(saved activation bytes, forward transient, backward transient) of one call, as the
+    simulator's ledger uses them (``sim.compute_profile``): forward holds saved + transient,
+    backward holds transient on top of its start."""
     inputs = unit.make_inputs()
     _clear_grads(unit)
     with SavedTensorBytes([*unit.params(), *unit.shared]) as saved:
-        out, fwd = transient_bytes(lambda: unit.run(*inputs), device)
+        # the forward's transient is its peak without the activations it saves
+        out, fwd_transient = peak_above_start(
+            lambda: unit.run(*inputs), device, leave_out=lambda: saved.tensors
+        )
     grad = _grad_for(out)
-    _, bwd = transient_bytes(lambda: out.backward(grad), device)
-    return saved.bytes, fwd, bwd
+    grads = lambda: [p.grad for p in unit.params() if p.grad is not None]  # noqa: E731
+    _, bwd_peak = peak_above_start(lambda: out.backward(grad), device, leave_out=grads)
+    return saved.bytes, fwd_transient, bwd_peak
 
 
 def measure_unit(unit: Unit, device: torch.device, reps: int, with_recompute: bool) -> UnitMeasure:

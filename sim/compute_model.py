@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sim.compute_profile import check_compute_matches
 from sim.errors import UserError
 from sim.layers import CalibrationGroup, LayerOp
 from sim.model import ModelConfig
@@ -88,35 +89,6 @@ class ComputeCosts:
 
     def optimizer_s(self, numel: int) -> float:
         return numel * self.optimizer_s_per_element
-
-
-def check_compute_matches(
-    compute: Mapping[str, Any],
-    model: ModelConfig,
-    micro_batch: int,
-    seq_len: int,
-    param_dtype: str,
-    where: str,
-) -> None:
-    """Refuse per-unit measurements taken at other dimensions than the scenario's."""
-    dims = compute.get("model", {})
-    expected = {
-        "n_layers": model.n_layers,
-        "hidden": model.hidden,
-        "n_heads": model.n_heads,
-        "n_kv_heads": model.n_kv_heads,
-        "ffn_hidden": model.ffn_hidden,
-        "vocab": model.vocab,
-    }
-    wrong = [f"model.{k}={dims.get(k)!r} (scenario: {v})" for k, v in expected.items() if dims.get(k) != v]
-    for key, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("param_dtype", param_dtype)):
-        if compute.get(key) != value:
-            wrong.append(f"{key}={compute.get(key)!r} (scenario: {value})")
-    if wrong:
-        raise UserError(
-            f"{where}: its compute measurements were taken at other dimensions: {'; '.join(wrong)}. "
-            "Run `fsdpsim calibrate compute` for this scenario, or drop the compute section to use the analytic model"
-        )
 
 
 def _group_ops(ops: list[LayerOp], group: CalibrationGroup) -> list[LayerOp]:

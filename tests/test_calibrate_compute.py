@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from calibrate.compute import ComputeTarget, check_compute_matches, validate_compute_section
-from calibrate.memtrack import SavedTensorBytes, transient_bytes
+from calibrate.memtrack import SavedTensorBytes, peak_above_start
 from sim.builtin_profiles import BUILTIN_PROFILES
 from sim.cli import main as fsdpsim_main
 from sim.errors import UserError
@@ -164,13 +164,26 @@ def test_flags_describe_a_target_without_a_scenario_file() -> None:
     )
 
 
-def test_transient_is_the_peak_above_what_the_call_leaves_allocated() -> None:
+def test_peak_above_start_counts_what_lives_at_once() -> None:
     x = torch.randn(1000, 1000, requires_grad=True)
-    # mul's output (4 MB) lives while exp writes its output (4 MB); exp's output stays (saved).
-    out, transient = transient_bytes(lambda: (x * 2).exp(), CPU)
-    assert transient == 4_000_000 and out.shape == (1000, 1000)
-    _, none = transient_bytes(lambda: x.detach().add_(1), CPU)
+    # mul's output (4 MB) lives while exp writes its output (4 MB)
+    out, peak = peak_above_start(lambda: (x * 2).exp(), CPU)
+    assert peak == 8_000_000 and out.shape == (1000, 1000)
+    _, none = peak_above_start(lambda: x.detach().add_(1), CPU)
     assert none == 0
+
+
+def test_a_tensor_released_before_the_next_op_is_not_counted_with_its_output() -> None:
+    x = torch.randn(1000, 1000)
+
+    def chain() -> torch.Tensor:
+        a = x * 2  # 4 MB
+        b = a + 1  # 4 MB, a still referenced: 8 MB live
+        del a
+        return b.exp()  # a is gone before exp allocates: 8 MB, not 12 MB
+
+    _, peak = peak_above_start(chain, CPU)
+    assert peak == 8_000_000
 
 
 def test_saved_bytes_count_each_storage_once_and_skip_parameters() -> None:
