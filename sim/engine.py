@@ -45,29 +45,47 @@ class Variability:
 
 
 class _Rendezvous:
-    """Collectives in flight, keyed by (group, n-th collective on that group)."""
+    """Collectives in flight, keyed by (group, n-th collective on that group).
 
-    def __init__(self, env: simpy.Environment):
-        self.env = env
-        self.pending: dict[tuple[object, int], tuple[simpy.Event, list[float]]] = {}
+    ``on_change(ranks, +1 | -1)`` is told when a collective starts and ends on its ranks.
+    """
 
-    def arrive(self, key: tuple[object, int], n_members: int, duration_s: float) -> simpy.Event:
-        done, arrivals = self.pending.setdefault(key, (self.env.event(), []))
-        arrivals.append(self.env.now)
-        if len(arrivals) == n_members:
+    def __init__(self, env: simpy.Environment, on_change: Callable[[list[int], int], None]):
+        self.env, self.on_change = env, on_change
+        self.pending: dict[tuple[object, int], tuple[simpy.Event, list[int]]] = {}
+
+    def arrive(self, key: tuple[object, int], rank: int, n_members: int, duration_s: float) -> simpy.Event:
+        done, arrived = self.pending.setdefault(key, (self.env.event(), []))
+        arrived.append(rank)
+        if len(arrived) == n_members:
             del self.pending[key]
-            self.env.process(self._run(done, duration_s))
+            self.env.process(self._run(done, arrived, duration_s))
         return done
 
-    def _run(self, done: simpy.Event, duration_s: float) -> Generator[simpy.Event, object, None]:
+    def _run(
+        self, done: simpy.Event, ranks: list[int], duration_s: float
+    ) -> Generator[simpy.Event, object, None]:
         start = self.env.now
+        self.on_change(ranks, +1)
         yield self.env.timeout(duration_s)
+        self.on_change(ranks, -1)
         done.succeed(start)
 
 
 class Engine:
-    def __init__(self, program: Program, topology: Topology, variability: Variability, *, serial: bool):
+    def __init__(
+        self,
+        program: Program,
+        topology: Topology,
+        variability: Variability,
+        *,
+        serial: bool,
+        interference: float = 1.0,
+    ):
+        """``interference``: how much slower compute runs while a collective runs on the same rank
+        (NCCL kernels take SMs; gloo threads take cores), from the profile's calibration."""
         self.program, self.topology, self.serial = program, topology, serial
+        self.interference = 1.0 if serial else interference
         k = topology.world_size
         self.ranks = [0] if variability.ranks_identical else list(range(k))
         compute = np.array([op.kind in COMPUTE_KINDS for op in program.ops])
@@ -80,7 +98,9 @@ class Engine:
             else (lambda r, op: op.duration_s)
         )
         self.env = simpy.Environment()
-        self.rendezvous = _Rendezvous(self.env)
+        self.rendezvous = _Rendezvous(self.env, self._comm_changed)
+        self.active_comm = dict.fromkeys(self.ranks, 0)
+        self.computing: dict[int, simpy.Process] = {}  # rank -> process inside a compute op
         self.table = EventTable(world_size=k, simulated_ranks=list(self.ranks))
         self.done = {r: [self.env.event() for _ in program.ops] for r in self.ranks}
         self.live: dict[int, dict[str, tuple[MemoryCategory, int]]] = {r: {} for r in self.ranks}
@@ -119,12 +139,15 @@ class Engine:
                 gid = self.topology.group_id(op.group, rank)
                 seq = self.group_seq[rank].get(gid, 0)
                 self.group_seq[rank][gid] = seq + 1
-                arrived = yield self.rendezvous.arrive((gid, seq), len(members), duration)
+                arrived = yield self.rendezvous.arrive((gid, seq), rank, len(members), duration)
                 start = float(arrived)  # type: ignore[arg-type]
                 group_size = len(self.topology.members(op.group, rank))
             else:
                 start = float(ready)
-                yield self.env.timeout(duration)
+                if self.interference != 1.0 and op.stream is Stream.COMPUTE:
+                    yield from self._slowed_compute(rank, duration)
+                else:
+                    yield self.env.timeout(duration)
                 group_size = 1
             for label in op.frees:
                 self._free(rank, label)
@@ -137,6 +160,29 @@ class Engine:
                 )
             )  # fmt: skip
             done[op.op_id].succeed()
+
+    def _slowed_compute(self, rank: int, work_s: float) -> Generator[simpy.Event, object, None]:
+        """Run ``work_s`` seconds of isolated compute, slower while a collective runs on this rank."""
+        process = self.env.active_process
+        assert process is not None
+        while work_s > 1e-15:
+            rate = 1.0 / self.interference if self.active_comm[rank] else 1.0
+            started = self.env.now
+            self.computing[rank] = process
+            try:
+                yield self.env.timeout(work_s / rate)
+                work_s = 0.0
+            except simpy.Interrupt:
+                work_s -= (self.env.now - started) * rate
+            finally:
+                self.computing.pop(rank, None)
+
+    def _comm_changed(self, ranks: list[int], delta: int) -> None:
+        for rank in ranks:
+            self.active_comm[rank] += delta
+            process = self.computing.get(rank)
+            if process is not None and process.is_alive:
+                process.interrupt()  # its rate changes: it recomputes its remaining time
 
     def _alloc(self, rank: int, label: str, category: MemoryCategory, nbytes: int) -> None:
         if label in self.live[rank]:
@@ -154,7 +200,7 @@ class Engine:
 
 
 def run_program(
-    program: Program, topology: Topology, variability: Variability, *, serial: bool
+    program: Program, topology: Topology, variability: Variability, *, serial: bool, interference: float = 1.0
 ) -> EventTable:
     """Simulate one step and return its event table."""
-    return Engine(program, topology, variability, serial=serial).run()
+    return Engine(program, topology, variability, serial=serial, interference=interference).run()

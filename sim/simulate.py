@@ -84,6 +84,12 @@ def build_step(scenario: Scenario, profile: HardwareProfile) -> tuple[StepConfig
     return step, topology, ops
 
 
+def compute_interference(profile: HardwareProfile) -> float:
+    """Calibrated slowdown of compute while a collective runs (1.0 without a compute section)."""
+    compute = profile.compute or {}
+    return float(compute.get("compute_slowdown_during_collective", 1.0))
+
+
 def simulate(scenario: Scenario, profile: HardwareProfile | None = None) -> SimResult:
     """Simulate one optimizer step (all micro-batches) of ``scenario``."""
     if profile is None:
@@ -98,6 +104,12 @@ def simulate(scenario: Scenario, profile: HardwareProfile | None = None) -> SimR
         slow_rank=sim.slow_rank,
         slow_rank_factor=sim.slow_rank_factor,
     )
-    table = run_program(program, topology, variability, serial=not profile.backend.overlaps_comm_compute)
+    table = run_program(
+        program,
+        topology,
+        variability,
+        serial=not profile.backend.overlaps_comm_compute,
+        interference=compute_interference(profile),
+    )
     report = build_report(scenario, profile, step, ops, table)
     return SimResult(scenario, profile, step, ops, program, table, report)

@@ -1,0 +1,78 @@
+"""The engine on hand-written programs: exact times for streams, rendezvous and interference."""
+
+import pytest
+
+from sim.engine import Variability, run_program
+from sim.events import MemoryCategory, OpKind, Stream
+from sim.program import Alloc, Program
+from sim.topology import GroupKind, Topology
+
+TWO_RANKS = Topology(world_size=2, gpus_per_node=2, shard_size=2)
+
+
+def _program() -> Program:
+    p = Program()
+    p.emit(
+        Stream.COMPUTE,
+        OpKind.FORWARD,
+        "f",
+        "u",
+        0,
+        10.0,
+        allocs=(Alloc("act", MemoryCategory.ACTIVATIONS, 8),),
+    )
+    p.emit(Stream.ALL_GATHER, OpKind.ALL_GATHER, "ag", "u", 0, 4.0, group=GroupKind.SHARD, bytes=100)
+    p.emit(Stream.COMPUTE, OpKind.BACKWARD, "b", "u", 0, 1.0, deps=(1,), frees=("act",))
+    return p
+
+
+def _times(table, rank=0):
+    return {o.name: (o.start_s, o.end_s) for o in table.ops_of(rank)}
+
+
+def test_streams_overlap_and_deps_wait():
+    t = _times(run_program(_program(), TWO_RANKS, Variability(), serial=False))
+    assert t == {"f": (0.0, 10.0), "ag": (0.0, 4.0), "b": (10.0, 11.0)}
+
+
+def test_serial_backend_runs_in_issue_order():
+    t = _times(run_program(_program(), TWO_RANKS, Variability(), serial=True))
+    assert t == {"f": (0.0, 10.0), "ag": (10.0, 14.0), "b": (14.0, 15.0)}
+
+
+def test_compute_slows_down_only_while_a_collective_runs():
+    # 4 s at half speed do 2 s of work; the other 8 s run at full speed: 12 s
+    t = _times(run_program(_program(), TWO_RANKS, Variability(), serial=False, interference=2.0))
+    assert t["f"] == (0.0, pytest.approx(12.0))
+    assert t["ag"] == (0.0, 4.0)
+    # a serial backend never overlaps, so the factor cannot apply
+    serial = _times(run_program(_program(), TWO_RANKS, Variability(), serial=True, interference=2.0))
+    assert serial["f"] == (0.0, 10.0)
+
+
+def test_collective_waits_for_the_slowest_rank():
+    slow = Variability(slow_rank=1, slow_rank_factor=2.0)
+    p = Program()
+    p.emit(Stream.COMPUTE, OpKind.FORWARD, "f", "u", 0, 3.0)
+    p.emit(Stream.ALL_GATHER, OpKind.ALL_GATHER, "ag", "u", 0, 1.0, deps=(0,), group=GroupKind.SHARD, bytes=1)
+    table = run_program(p, TWO_RANKS, slow, serial=False)
+    for rank in (0, 1):
+        ag = next(o for o in table.ops_of(rank) if o.name == "ag")
+        assert (ag.start_s, ag.end_s) == (6.0, 7.0)  # rank 1 arrives at 6
+    assert next(o for o in table.ops_of(0) if o.name == "ag").ready_s == 3.0
+    assert next(o for o in table.ops_of(1) if o.name == "ag").ready_s == 6.0
+
+
+def test_ledger_records_allocs_at_start_and_frees_at_end():
+    table = run_program(_program(), TWO_RANKS, Variability(), serial=False)
+    assert [(m.time_s, m.delta_bytes, m.label) for m in table.memory_of(0)] == [
+        (0.0, 8, "act"),
+        (11.0, -8, "act"),
+    ]
+
+
+def test_freeing_an_unknown_buffer_is_a_bug_not_a_silent_no_op():
+    p = Program()
+    p.emit(Stream.COMPUTE, OpKind.FORWARD, "f", "u", 0, 1.0, frees=("never-allocated",))
+    with pytest.raises(RuntimeError, match="never-allocated"):
+        run_program(p, TWO_RANKS, Variability(), serial=False)
