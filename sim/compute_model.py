@@ -125,6 +125,39 @@ def _group_scale(
     )
 
 
+def _analytic_costs(profile: HardwareProfile, dtype: str, optimizer: str, where: str) -> ComputeCosts:
+    device = profile.device
+    if dtype not in device.peak_flops:
+        raise UserError(
+            f"{where}: device.peak_flops has no {dtype} entry; has: {', '.join(device.peak_flops)}"
+        )
+    return ComputeCosts(
+        peak_flops=device.peak_flops[dtype],
+        efficiency=device.compute_efficiency,
+        hbm_bandwidth_Bps=device.hbm_bandwidth_Bps,
+        copy_Bps=device.hbm_bandwidth_Bps / 2.0,  # a copy reads and writes every byte
+        optimizer_s_per_element=OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / device.hbm_bandwidth_Bps,
+    )
+
+
+def _measured_workload(
+    compute: Mapping[str, Any], profile: HardwareProfile, optimizer: str, where: str
+) -> tuple[list[LayerOp], ComputeCosts]:
+    """The layer ops and analytic costs at the dimensions the compute section was measured at."""
+    from sim.dtypes import dtype_bytes
+    from sim.layers import Workload, layer_ops
+
+    model = ModelConfig(name="measured", **dict(compute["model"]))
+    dtype = str(compute["param_dtype"])
+    workload = Workload(
+        micro_batch=int(compute["micro_batch"]),
+        seq_len=int(compute["seq_len"]),
+        act_bytes=dtype_bytes(dtype),
+        attention_kernel=profile.backend.attention_kernel,
+    )
+    return layer_ops(model, workload), _analytic_costs(profile, dtype, optimizer, where)
+
+
 def build_compute_costs(
     profile: HardwareProfile,
     ops: list[LayerOp],
@@ -134,40 +167,38 @@ def build_compute_costs(
     seq_len: int,
     param_dtype: str,
     optimizer: str,
+    allow_scaling: bool = False,
 ) -> ComputeCosts:
-    """The cost model for ``param_dtype`` work on ``profile``, calibrated when the profile has a compute section."""
-    device, where = profile.device, f"profile {profile.name}"
-    if param_dtype not in device.peak_flops:
-        raise UserError(
-            f"{where}: device.peak_flops has no {param_dtype} entry; has: {', '.join(device.peak_flops)}"
-        )
-    costs = ComputeCosts(
-        peak_flops=device.peak_flops[param_dtype],
-        efficiency=device.compute_efficiency,
-        hbm_bandwidth_Bps=device.hbm_bandwidth_Bps,
-        copy_Bps=device.hbm_bandwidth_Bps / 2.0,  # a copy reads and writes every byte
-        optimizer_s_per_element=OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / device.hbm_bandwidth_Bps,
-    )
+    """The cost model for ``param_dtype`` work on ``profile``, calibrated when the profile has a
+    compute section. A section measured at other dimensions is refused, unless ``allow_scaling``:
+    then each group's measured/analytic ratios, taken at the measured dimensions, scale the
+    analytic model at the scenario's."""
+    where = f"profile {profile.name}"
+    costs = _analytic_costs(profile, param_dtype, optimizer, where)
     compute = profile.compute
     if compute is None:
         return costs
-    check_compute_matches(compute, model, micro_batch, seq_len, param_dtype, where)
-    units = compute.get("units", {})
-    scales = {}
-    for group in CalibrationGroup:
-        if group.value not in units:
-            raise UserError(f"{where}: compute.units.{group.value} is missing")
-        scales[group] = _group_scale(costs, _group_ops(ops, group), units[group.value], where)
-    per_param = compute.get("optimizer_s_per_param", {})
+    measured_ops, measured_costs = ops, costs
+    try:
+        check_compute_matches(compute, model, micro_batch, seq_len, param_dtype, where)
+    except UserError:
+        if not allow_scaling:
+            raise
+        measured_ops, measured_costs = _measured_workload(compute, profile, optimizer, where)
+    units = compute["units"]
+    scales = {
+        group: _group_scale(measured_costs, _group_ops(measured_ops, group), units[group.value], where)
+        for group in CalibrationGroup
+    }
+    per_param = compute["optimizer_s_per_param"]
     optimizer_s = (
         float(per_param.get(optimizer, costs.optimizer_s_per_element)) if optimizer != "none" else 0.0
     )
-    copy_Bps = float(compute.get("copy_Bps", costs.copy_Bps))
     return ComputeCosts(
         peak_flops=costs.peak_flops,
         efficiency=costs.efficiency,
         hbm_bandwidth_Bps=costs.hbm_bandwidth_Bps,
-        copy_Bps=copy_Bps,
+        copy_Bps=float(compute["copy_Bps"]),
         optimizer_s_per_element=optimizer_s,
         scales=scales,
     )

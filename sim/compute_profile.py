@@ -104,5 +104,6 @@ def check_compute_matches(
     if wrong:
         raise UserError(
             f"{where}: its compute section was measured at other dimensions: {'; '.join(wrong)}. "
-            "Run `fsdpsim calibrate compute SCENARIO --profile PROFILE` for this scenario, or ask for scaling"
+            "Run `fsdpsim calibrate compute SCENARIO --profile PROFILE` for this scenario, or set "
+            "cluster.compute_scaling = true to scale the measurements by the analytic model"
         )

@@ -166,6 +166,14 @@ def _curve(raw: Any, where: str, index: int) -> CollectiveCurve:
     )
 
 
+def _compute_section(compute: dict[str, Any] | None, where: str) -> dict[str, Any] | None:
+    from sim.compute_profile import validate_compute_section
+
+    if compute is not None:
+        validate_compute_section(compute, where)
+    return compute
+
+
 def profile_from_dict(data: Any, where: str) -> HardwareProfile:
     """Validate a profile's JSON object; every error names ``where`` and the field."""
     r = _Reader(data, where)
@@ -210,7 +218,7 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
         intra_node=_link(topo.sub("intra_node")),
         inter_node=_link(topo.sub("inter_node")),
         collectives=tuple(_curve(c, where, i) for i, c in enumerate(r.get("collectives", list, []))),
-        compute=r.get("compute", dict, None),
+        compute=_compute_section(r.get("compute", dict, None), where),
     )
 
 

@@ -97,6 +97,7 @@ class CheckpointingSection:
 class ClusterSection:
     profile: str = "h100-sxm"  # built-in profile name or path to a calibrated JSON profile
     gpus_per_node: int | None = None  # default: the profile's
+    compute_scaling: bool = False  # accept a compute section measured at other dimensions, scaled
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,7 @@ def build_step(scenario: Scenario, profile: HardwareProfile) -> tuple[StepConfig
     costs = build_compute_costs(
         profile, ops, model=model, micro_batch=training.micro_batch, seq_len=training.seq_len,
         param_dtype=scenario.param_dtype, optimizer=scenario.optimizer.name.value,
+        allow_scaling=scenario.cluster.compute_scaling,
     )  # fmt: skip
     gpus_per_node = scenario.cluster.gpus_per_node or profile.gpus_per_node
     topology = Topology(

@@ -41,3 +41,54 @@ def make_profile(
     if launch_s is not None:
         data["backend"]["collective_launch_s"] = launch_s
     return profile_from_dict(data, "test-profile")
+
+
+def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, factor: float) -> dict[str, Any]:
+    """A compute section whose every measurement is ``factor`` x the analytic model's, at the
+    scenario's dimensions (what `calibrate compute` would write on a machine that runs exactly
+    ``factor`` times slower and allocates ``factor`` times more)."""
+    from sim.compute_model import build_compute_costs
+    from sim.dtypes import dtype_bytes
+    from sim.layers import CalibrationGroup, Workload, layer_ops
+
+    t = scenario.training
+    workload = Workload(
+        micro_batch=t.micro_batch,
+        seq_len=t.seq_len,
+        act_bytes=dtype_bytes(scenario.param_dtype),
+        attention_kernel=profile.backend.attention_kernel,
+    )
+    ops = layer_ops(scenario.model, workload)
+    costs = build_compute_costs(
+        profile, ops, model=scenario.model, micro_batch=t.micro_batch, seq_len=t.seq_len,
+        param_dtype=scenario.param_dtype, optimizer="adamw",
+    )  # fmt: skip
+    units = {}
+    for group in CalibrationGroup:
+        members = [op for op in ops if op.group is group and op.block in (None, 0)]
+        fwd = sum(costs.op_forward_s(op) for op in members)
+        units[group.value] = {
+            "forward_s": factor * fwd,
+            "backward_s": factor * 2 * fwd,
+            "recompute_s": factor * fwd,
+            "saved_activation_bytes": factor * sum(op.saved_bytes for op in members),
+            "forward_transient_bytes": factor * max(op.forward_transient_bytes for op in members),
+            "backward_transient_bytes": factor * max(op.backward_transient_bytes for op in members),
+        }
+    m = scenario.model
+    return {
+        "model": {
+            f: getattr(m, f)
+            for f in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
+        },  # fmt: skip
+        "micro_batch": t.micro_batch,
+        "seq_len": t.seq_len,
+        "param_dtype": scenario.param_dtype,
+        "units": units,
+        "copy_Bps": costs.copy_Bps,
+        "optimizer_s_per_param": {
+            "adamw": costs.optimizer_s_per_element,
+            "sgd": costs.optimizer_s_per_element,
+        },
+        "compute_slowdown_during_collective": 1.0,
+    }
