@@ -9,7 +9,7 @@ its total equals the measured time or bytes, which keeps the split between the o
 (needed for ``linear`` wrapping) from the analytic model.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,16 @@ class GroupScale:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SegmentFigures:
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    saved_bytes: int
+    forward_transient_bytes: int
+    backward_transient_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ComputeCosts:
     """The compute cost model for one scenario on one profile."""
 
@@ -49,6 +59,9 @@ class ComputeCosts:
     copy_Bps: float
     optimizer_s_per_element: float
     scales: Mapping[CalibrationGroup, GroupScale] = field(default_factory=dict)
+    cache: dict[int, tuple[Segment, "SegmentFigures"]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def calibrated(self) -> bool:
@@ -59,29 +72,52 @@ class ComputeCosts:
         return op.flops / (self.peak_flops * self.efficiency) + op.memory_bytes / self.hbm_bandwidth_Bps
 
     def _scale(self, op: LayerOp, quantity: str) -> float:
-        group = op.group
-        return getattr(self.scales.get(group, GroupScale()) if group else GroupScale(), quantity)
+        if not self.scales:
+            return 1.0
+        scale = self.scales.get(op.group) if op.group else None
+        return 1.0 if scale is None else float(getattr(scale, quantity))
+
+    def figures(self, seg: Segment) -> "SegmentFigures":
+        """All of a segment's figures, computed once (the schedule asks for them per micro-batch)."""
+        entry = self.cache.get(id(seg))
+        if entry is None:
+            entry = self.cache[id(seg)] = (seg, self._figures(seg))  # holding seg keeps its id unique
+        return entry[1]
+
+    def _figures(self, seg: Segment) -> "SegmentFigures":
+        def total(quantity: str, factor: float = 1.0) -> float:
+            return sum(factor * self.op_forward_s(op) * self._scale(op, quantity) for op in seg.ops)
+
+        def largest(quantity: str) -> int:
+            # ops run one after another, so a segment's transient is its largest op's
+            return round(max(getattr(op, f"{quantity}_bytes") * self._scale(op, quantity) for op in seg.ops))
+
+        return SegmentFigures(
+            forward_s=total("forward"),
+            backward_s=total("backward", 2.0),
+            recompute_s=total("recompute"),
+            saved_bytes=round(sum(op.saved_bytes * self._scale(op, "saved") for op in seg.ops)),
+            forward_transient_bytes=largest("forward_transient"),
+            backward_transient_bytes=largest("backward_transient"),
+        )
 
     def forward_s(self, seg: Segment) -> float:
-        return sum(self.op_forward_s(op) * self._scale(op, "forward") for op in seg.ops)
+        return self.figures(seg).forward_s
 
     def backward_s(self, seg: Segment) -> float:
-        return sum(2.0 * self.op_forward_s(op) * self._scale(op, "backward") for op in seg.ops)
+        return self.figures(seg).backward_s
 
     def recompute_s(self, seg: Segment) -> float:
-        return sum(self.op_forward_s(op) * self._scale(op, "recompute") for op in seg.ops)
+        return self.figures(seg).recompute_s
 
     def saved_bytes(self, seg: Segment) -> int:
-        return round(sum(op.saved_bytes * self._scale(op, "saved") for op in seg.ops))
+        return self.figures(seg).saved_bytes
 
     def forward_transient_bytes(self, seg: Segment) -> int:
-        """Ops run one after another, so a segment's transient is its largest op's."""
-        return round(max(op.forward_transient_bytes * self._scale(op, "forward_transient") for op in seg.ops))
+        return self.figures(seg).forward_transient_bytes
 
     def backward_transient_bytes(self, seg: Segment) -> int:
-        return round(
-            max(op.backward_transient_bytes * self._scale(op, "backward_transient") for op in seg.ops)
-        )
+        return self.figures(seg).backward_transient_bytes
 
     def copy_s(self, nbytes: float) -> float:
         """A device-to-device copy of ``nbytes`` (FSDP2 all-gather copy-out, reduce-scatter copy-in)."""
@@ -91,7 +127,7 @@ class ComputeCosts:
         return numel * self.optimizer_s_per_element
 
 
-def _group_ops(ops: list[LayerOp], group: CalibrationGroup) -> list[LayerOp]:
+def _group_ops(ops: Sequence[LayerOp], group: CalibrationGroup) -> list[LayerOp]:
     """One instance of ``group``: the embedding, the first decoder block, or the head."""
     return [op for op in ops if op.group is group and op.block in (None, 0)]
 
@@ -142,7 +178,7 @@ def _analytic_costs(profile: HardwareProfile, dtype: str, optimizer: str, where:
 
 def _measured_workload(
     compute: Mapping[str, Any], profile: HardwareProfile, optimizer: str, where: str
-) -> tuple[list[LayerOp], ComputeCosts]:
+) -> tuple[Sequence[LayerOp], ComputeCosts]:
     """The layer ops and analytic costs at the dimensions the compute section was measured at."""
     from sim.dtypes import dtype_bytes
     from sim.layers import Workload, layer_ops
@@ -160,7 +196,7 @@ def _measured_workload(
 
 def build_compute_costs(
     profile: HardwareProfile,
-    ops: list[LayerOp],
+    ops: Sequence[LayerOp],
     *,
     model: ModelConfig,
     micro_batch: int,

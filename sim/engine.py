@@ -128,7 +128,9 @@ class Engine:
         done = self.done[rank]
         for op in ops:
             waiting = [done[d] for d in op.deps if not done[d].processed]
-            if waiting:
+            if len(waiting) == 1:
+                yield waiting[0]
+            elif waiting:
                 yield self.env.all_of(waiting)
             ready = self.env.now
             for alloc in op.allocs:

@@ -30,6 +30,7 @@ class FsdpScheduleBuilder:
         self.p = Program()
         self.w = cfg.shard_size
         self.units = {u.name: u for u in cfg.units}
+        self.padded = {u.name: u.padded_numel(self.w) for u in cfg.units}
         segs = cfg.segments
         self.first_seg = {u: min(i for i, s in enumerate(segs) if s.unit == u) for u in self.units}
         self.last_seg = {u: max(i for i, s in enumerate(segs) if s.unit == u) for u in self.units}
@@ -82,7 +83,7 @@ class FsdpScheduleBuilder:
         return op
 
     def _padded(self, unit: str) -> int:
-        return self.units[unit].padded_numel(self.w)
+        return self.padded[unit]
 
     # -- the step ------------------------------------------------------------------------
 

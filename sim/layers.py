@@ -20,6 +20,7 @@ for causal masking with flash kernels; backward is twice the forward (Narayanan 
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cache, cached_property
 
 from sim.dtypes import INDEX_BYTES
 from sim.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
@@ -64,7 +65,7 @@ class LayerOp:
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
 
-    @property
+    @cached_property
     def group(self) -> CalibrationGroup | None:
         """The measured group this op belongs to; None for work ``calibrate compute`` does not time."""
         if self.block is not None:
@@ -183,7 +184,8 @@ def model_buffer_bytes(cfg: ModelConfig) -> int:
     return 2 * (cfg.head_dim // 2) * FP32_BYTES
 
 
-def layer_ops(cfg: ModelConfig, w: Workload) -> list[LayerOp]:
+@cache
+def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
     """Every op of one forward pass in execution order: embedding, blocks, final norm, head, loss."""
     specs = {s.name: s for s in param_specs(cfg)}
     t, a, vocab = w.tokens, w.act_bytes, cfg.vocab
@@ -245,4 +247,4 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> list[LayerOp]:
             backward_transient_bytes=2 * t * vocab * FP32_BYTES,
         )
     )
-    return ops
+    return tuple(ops)

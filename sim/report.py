@@ -3,6 +3,7 @@
 Everything here is computed from the event table, plus the analytic model-state formulas.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 from sim.events import EventTable, MemoryCategory, OpKind
@@ -55,13 +56,13 @@ def collective_summary(table: EventTable, rank: int) -> dict[str, dict[str, floa
     return summary
 
 
-def model_flops_per_rank(ops: list[LayerOp], grad_accum: int) -> float:
+def model_flops_per_rank(ops: Sequence[LayerOp], grad_accum: int) -> float:
     """Forward + backward FLOPs of one rank's step (recomputation excluded, as MFU defines it)."""
     return 3.0 * grad_accum * sum(op.flops for op in ops)
 
 
 def build_report(
-    scenario: Scenario, profile: HardwareProfile, step: StepConfig, ops: list[LayerOp], table: EventTable
+    scenario: Scenario, profile: HardwareProfile, step: StepConfig, ops: Sequence[LayerOp], table: EventTable
 ) -> dict[str, Any]:
     k = scenario.parallel.world_size
     step_s = step_time(table)

@@ -1,5 +1,6 @@
 """One call from a scenario to a simulated step: build units and costs, write the program, run it."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -28,13 +29,15 @@ class SimResult:
     scenario: Scenario
     profile: HardwareProfile
     step: StepConfig
-    layer_ops: list[LayerOp]
+    layer_ops: Sequence[LayerOp]
     program: Program
     events: EventTable
     report: dict[str, Any]
 
 
-def build_step(scenario: Scenario, profile: HardwareProfile) -> tuple[StepConfig, Topology, list[LayerOp]]:
+def build_step(
+    scenario: Scenario, profile: HardwareProfile
+) -> tuple[StepConfig, Topology, Sequence[LayerOp]]:
     """Everything the schedule builders need, from a scenario and a profile."""
     model, training, parallel = scenario.model, scenario.training, scenario.parallel
     workload = Workload(

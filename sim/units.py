@@ -6,7 +6,9 @@ whole model, and owns every parameter not owned by another unit. A *segment* is 
 consecutive layer ops owned by the same unit: the granularity at which FSDP hooks fire.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from math import ceil, prod
 
 from sim.layers import LayerKind, LayerOp
@@ -74,31 +76,46 @@ def unit_prefixes(cfg: ModelConfig, wrap: WrapPolicy) -> list[str]:
     return linear_modules
 
 
-def build_units(cfg: ModelConfig, wrap: WrapPolicy) -> list[WrapUnit]:
+def _innermost(module: str, prefixes: set[str]) -> str | None:
+    """The longest prefix in ``prefixes`` that is ``module`` or one of its parent modules."""
+    path = module
+    while path:
+        if path in prefixes:
+            return path
+        path = path.rpartition(".")[0]
+    return None
+
+
+@cache
+def build_units(cfg: ModelConfig, wrap: WrapPolicy) -> tuple[WrapUnit, ...]:
     """Non-root units in forward order, then the root with every remaining parameter."""
     prefixes = unit_prefixes(cfg, wrap)
     by_prefix: dict[str, list[ParamSpec]] = {p: [] for p in prefixes}
     root: list[ParamSpec] = []
     for spec in param_specs(cfg):
-        owner = next((p for p in prefixes if spec.module == p or spec.module.startswith(p + ".")), None)
+        owner = _innermost(spec.module, set(by_prefix))
         (by_prefix[owner] if owner is not None else root).append(spec)
     units = [WrapUnit(name=p, prefix=p, params=tuple(by_prefix[p])) for p in prefixes]
-    return units + [WrapUnit(name=ROOT, prefix="", params=tuple(root))]
+    return (*units, WrapUnit(name=ROOT, prefix="", params=tuple(root)))
 
 
-def owner_of(module: str, units: list[WrapUnit]) -> WrapUnit:
+def owner_of(module: str, units: Sequence[WrapUnit]) -> WrapUnit:
     """The innermost unit whose module contains ``module`` (the root if none)."""
-    owners = [u for u in units if not u.is_root and u.owns(module)]
-    return max(owners, key=lambda u: len(u.prefix)) if owners else units[-1]
+    by_prefix = {u.prefix: u for u in units if not u.is_root}
+    owner = _innermost(module, set(by_prefix))
+    return by_prefix[owner] if owner is not None else units[-1]
 
 
-def build_segments(ops: list[LayerOp], units: list[WrapUnit]) -> list[Segment]:
+def build_segments(ops: Sequence[LayerOp], units: Sequence[WrapUnit]) -> list[Segment]:
     """Group consecutive ops with the same owner (and decoder layer) into segments."""
     segments: list[Segment] = []
     current: list[LayerOp] = []
     current_unit = ""
+    by_prefix = {u.prefix: u.name for u in units if not u.is_root}
+    prefixes = set(by_prefix)
     for op in ops:
-        unit = owner_of(op.module, units).name
+        owner = _innermost(op.module, prefixes)
+        unit = by_prefix[owner] if owner is not None else ROOT
         if current and (unit != current_unit or op.block != current[0].block):
             segments.append(Segment(unit=current_unit, ops=tuple(current)))
             current = []
@@ -109,7 +126,7 @@ def build_segments(ops: list[LayerOp], units: list[WrapUnit]) -> list[Segment]:
     return segments
 
 
-def input_needs_grad(unit: WrapUnit, segments: list[Segment]) -> bool:
+def input_needs_grad(unit: WrapUnit, segments: Sequence[Segment]) -> bool:
     """False for units whose forward input is the token ids: they reduce in the final callback."""
     if unit.is_root:
         return False

@@ -2,6 +2,7 @@
 summarised in VALIDATION.md with the machine, versions, every prediction, measurement and error."""
 
 import datetime
+import os
 import platform
 import statistics
 import tempfile
@@ -51,14 +52,15 @@ MEMORY_MATRIX: list[tuple[str, list[str]]] = [
 ]
 
 
-def _machine() -> list[str]:
+def _machine(nproc: int) -> list[str]:
     import torch
 
     from calibrate.device_probe import cpu_model
 
     return [
         f"- date: {datetime.date.today().isoformat()}",
-        f"- machine: {cpu_model()}, {torch.get_num_threads()} torch threads per rank, {platform.system()}",
+        f"- machine: {cpu_model()}, {os.cpu_count()} cores, {platform.system()}; each rank runs "
+        f"{os.environ.get('OMP_NUM_THREADS', max(1, (os.cpu_count() or 1) // nproc))} thread(s) (OMP_NUM_THREADS)",
         f"- torch {torch.__version__}, backend gloo, Python {platform.python_version()}",
     ]
 
@@ -143,7 +145,7 @@ def _document(
     warmup: int,
     nproc: int,
 ) -> str:
-    text = ["# Validation: fsdp-sim against real FSDP2 runs", "", *_machine(), "",
+    text = ["# Validation: fsdp-sim against real FSDP2 runs", "", *_machine(nproc), "",
             f"`make validate` ({steps} timed steps after {warmup} warm-up, {nproc} ranks; base `{BASE}`; "
             "each configuration simulated with a profile calibrated on this machine for its own dimensions).", "",
             "## Summary", "", *_summary(results), ""]  # fmt: skip

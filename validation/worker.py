@@ -5,7 +5,6 @@ the collectives issued per step, and writes ``rank{r}.json`` into the spec's out
 """
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -157,5 +156,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(int(os.environ.get("FSDPSIM_THREADS", "1")))
+    # threads per rank come from OMP_NUM_THREADS, set by the launcher as torchrun does (cores / ranks)
     sys.exit(main(sys.argv[1:]))
