@@ -79,13 +79,14 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _delegate(module: str, argv: list[str]) -> int:
-    """Hand the rest of the command line to a torch-side package (imported only when asked for)."""
+    """Hand the rest of the command line to a module with its own flags (imported only when asked for)."""
     import importlib
 
     try:
         cli = importlib.import_module(module)
     except ModuleNotFoundError as e:
-        raise UserError(f"this command needs torch: install with `pip install -e '.[torch]'` ({e})") from None
+        extra = "torch" if module.split(".")[0] in ("calibrate", "validation") else "dev"
+        raise UserError(f"`fsdpsim` needs {e.name!r} for this command: pip install -e '.[{extra}]'") from None
     return int(cli.main(argv))
 
 
@@ -95,12 +96,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guard(lambda: _delegate("calibrate.cli", argv[1:]))
     if argv[:1] == ["validate"]:
         return _guard(lambda: _delegate("validation.cli", argv[1:]))
+    if argv[:1] in (["sweep"], ["tune"]):
+        # what-if studies: each module owns its flags (``main(argv) -> int``)
+        return _guard(lambda: _delegate(f"sim.{argv[0]}", argv[1:]))
     parser = argparse.ArgumentParser(prog="fsdpsim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     sub.add_parser("presets", help="list model presets and built-in hardware profiles")
     sub.add_parser("calibrate", help="measure collectives and per-unit compute (see `fsdpsim calibrate -h`)")
     sub.add_parser("validate", help="compare a prediction with a real FSDP2 run (see `fsdpsim validate -h`)")
+    sub.add_parser("sweep", help="run a grid of scenario variants (see `fsdpsim sweep -h`)")
+    sub.add_parser("tune", help="search for the fastest configuration that fits (see `fsdpsim tune -h`)")
     args = parser.parse_args(argv)
     commands = {"run": _cmd_run, "presets": _cmd_presets}
     return _guard(lambda: commands[args.command](args))

@@ -289,7 +289,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str] = ()) -> Scenario:
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    # a [sweep] table describes variants of this scenario; `fsdpsim sweep` reads it (sim.sweep)
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items() if k != "sweep"}
     for text in overrides:
         section, key, value = parse_override(text)
         if section not in SECTIONS:
