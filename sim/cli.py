@@ -23,6 +23,11 @@ def _add_run(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     run.add_argument("--format", choices=("table", "json"), default="table", help="report format on stdout")
     run.add_argument("--out", metavar="FILE", help="also write the report (in --format) to FILE")
     run.add_argument("--timeline", metavar="HTML", help="write an interactive plotly timeline")
+    run.add_argument(
+        "--compare-set", dest="compare", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="with --timeline: also simulate the scenario with these overrides (repeatable) and stack "
+        "both runs on one time axis, e.g. --compare-set parallel.strategy=SHARD_GRAD_OP",
+    )  # fmt: skip
     run.add_argument("--trace", metavar="JSON", help="write a Chrome trace (open in Perfetto)")
     run.add_argument(
         "--trace-dir", metavar="DIR", help="write one Chrome trace per rank (rank<r>.trace.json, for HTA)"
@@ -37,7 +42,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for path in (args.out, args.timeline, args.trace):
         if path and Path(path).is_dir():
             raise UserError(f"{path}: is a directory, expected a file path")
+    if args.compare and not args.timeline:
+        raise UserError("--compare-set draws a comparison timeline: give --timeline FILE.html too")
     result = simulate(load_scenario(args.scenario, args.overrides))
+    other = simulate(load_scenario(args.scenario, [*args.overrides, *args.compare])) if args.compare else None
     text = json.dumps(result.report, indent=2) if args.format == "json" else format_table(result.report)
     print(text)
     if args.out:
@@ -50,6 +58,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             args.timeline,
             title=f"{args.scenario}",
             device_memory_bytes=result.report["device_memory_bytes"],
+            compare=(" ".join(args.compare), other.events) if other else None,
         )
         print(f"timeline written to {args.timeline}", file=sys.stderr)
     if args.trace or args.trace_dir:
