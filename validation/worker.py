@@ -109,7 +109,18 @@ def _peak_memory(trainer: Trainer, index: int) -> dict[str, int]:
             key = TRACKER_CATEGORIES.get(name, "other")
             out[key] = out.get(key, 0) + int(value)
     out["raw"] = {k: int(v) for k, v in snapshot.items()}  # type: ignore[assignment]
+    if not trainer.wrapped.is_fsdp:
+        # DDP's reducer allocates its bucket buffers in C++ at construction, where no tracker sees
+        # them; they stay resident, so their size (from DDP's own logging data) adds to the peak
+        buckets = _ddp_bucket_bytes(trainer.model)
+        out["comm_buffers"] = out.get("comm_buffers", 0) + buckets
+        out["total"] += buckets
     return out
+
+
+def _ddp_bucket_bytes(ddp: Any) -> int:
+    data = ddp._get_ddp_logging_data()
+    return sum(int(x) for x in str(data.get("bucket_sizes", "")).split(",") if x.strip())
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
