@@ -68,6 +68,10 @@ def compare(report: dict[str, Any], table: EventTable, ranks: list[dict[str, Any
         out.rows.append(Row(f"{phase}", predicted_phases[phase], measured, "s"))
     peak_rank = max(ranks, key=lambda r: r["memory_peak"]["total"])["memory_peak"]
     out.rows.append(Row("peak memory", report["peak_memory_bytes"], peak_rank["total"], "B"))
+    if "cuda_max_allocated" in peak_rank:  # on a GPU: the caching allocator's own peak as well
+        out.rows.append(
+            Row("peak memory (allocator)", report["peak_memory_bytes"], peak_rank["cuda_max_allocated"], "B")
+        )
     for category in MemoryCategory:
         out.rows.append(
             Row(

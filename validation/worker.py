@@ -1,10 +1,15 @@
 """One rank of a real training run: ``python -m validation.worker SPEC.json`` (or under torchrun).
 
-Measures step time and its phases, peak memory by category (FSDPMemTracker, tensor level) and
-the collectives issued per step, and writes ``rank{r}.json`` into the spec's output folder.
+Measures step time and its phases, peak memory by category (FSDPMemTracker, tensor level; on a
+GPU also ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``) and the collectives
+issued per step, and writes ``rank{r}.json`` into the spec's output folder. On a machine with
+CUDA it runs NCCL on ``cuda:LOCAL_RANK`` and synchronises the device around every timer; without
+CUDA it runs gloo on the CPU.
 """
 
+import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -38,14 +43,21 @@ TRACKER_CATEGORIES = {
 }
 
 
-def _mesh(scenario: Scenario):
+def _mesh(scenario: Scenario, device_type: str = "cpu"):
     from torch.distributed.device_mesh import init_device_mesh
 
     k = scenario.parallel.world_size
     if scenario.parallel.strategy is Strategy.HYBRID_SHARD:
         s = scenario.shard_group_size
-        return init_device_mesh("cpu", (k // s, s), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (k,), mesh_dim_names=("shard",))
+        return init_device_mesh(device_type, (k // s, s), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (k,), mesh_dim_names=("shard",))
+
+
+def _sync(device: torch.device) -> float:
+    """Wait for the device's queued work, then read the clock (timers must not race the GPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _batch(scenario: Scenario, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,11 +68,19 @@ def _batch(scenario: Scenario, rank: int, step: int) -> tuple[torch.Tensor, torc
 
 
 class Trainer:
+    device = torch.device("cpu")
+
     def __init__(self, scenario: Scenario):
         self.scenario = scenario
         self.rank = dist.get_rank()
-        mesh = None if scenario.parallel.strategy is Strategy.NO_SHARD else _mesh(scenario)
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        no_shard = scenario.parallel.strategy is Strategy.NO_SHARD
+        mesh = None if no_shard else _mesh(scenario, self.device.type)
         model = build_llama(scenario.model, scenario.training.seq_len)
+        if no_shard:
+            model = model.to(self.device)  # fully_shard moves parameters to the mesh's device itself
         self.wrapped = wrap(model, scenario, mesh)
         self.model = self.wrapped.model
         self.ddp_counts: dict[str, dict[str, int]] = {}
@@ -75,19 +95,19 @@ class Trainer:
         """One optimizer step (all micro-batches); returns phase times in seconds."""
         phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         for mb in range(self.scenario.training.grad_accum):
-            ids, labels = _batch(self.scenario, self.rank, index * 100 + mb)
-            t0 = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            ids, labels = (t.to(self.device) for t in _batch(self.scenario, self.rank, index * 100 + mb))
+            t0 = _sync(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 loss = self.model(input_ids=ids, labels=labels).loss
-            t1 = time.perf_counter()
+            t1 = _sync(self.device)
             loss.backward()
-            t2 = time.perf_counter()
+            t2 = _sync(self.device)
             phases["forward"] += t1 - t0
             phases["backward"] += t2 - t1
-        t2 = time.perf_counter()
+        t2 = _sync(self.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        phases["optimizer"] = time.perf_counter() - t2
+        phases["optimizer"] = _sync(self.device) - t2
         return phases
 
 
@@ -100,15 +120,23 @@ def _peak_memory(trainer: Trainer, index: int) -> dict[str, int]:
     else:
         tracker = MemTracker()
         tracker.track_external(trainer.model, trainer.optimizer)
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(trainer.device)
     with tracker:
         trainer.step(index)
-    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    snapshot = tracker.get_tracker_snapshot("peak").get(trainer.device) or next(
+        iter(tracker.get_tracker_snapshot("peak").values())
+    )
     out = {"total": int(snapshot.get("Total", 0))}
     for name, value in snapshot.items():
         if name != "Total":
             key = TRACKER_CATEGORIES.get(name, "other")
             out[key] = out.get(key, 0) + int(value)
     out["raw"] = {k: int(v) for k, v in snapshot.items()}  # type: ignore[assignment]
+    if cuda:  # the allocator's own figures, beside the tracker's tensor-level ones
+        out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(trainer.device)
+        out["cuda_max_reserved"] = torch.cuda.max_memory_reserved(trainer.device)
     if not trainer.wrapped.is_fsdp:
         # DDP's reducer allocates its bucket buffers in C++ at construction, where no tracker sees
         # them; they stay resident, so their size (from DDP's own logging data) adds to the peak
@@ -131,9 +159,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     times, phases = [], []
     for i in range(spec["steps"]):
         dist.barrier()
-        start = time.perf_counter()
+        start = _sync(trainer.device)
         phases.append(trainer.step(spec["warmup"] + i))
-        times.append(time.perf_counter() - start)
+        times.append(_sync(trainer.device) - start)
     counter = CollectiveCounter()
     with counter:
         trainer.step(spec["warmup"] + spec["steps"])
@@ -155,9 +183,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
-    dist.init_process_group(
-        "gloo", timeout=__import__("datetime").timedelta(seconds=spec.get("timeout_s", 300))
-    )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.get("timeout_s", 300)))
     try:
         result = run(spec)
         write_text_atomic(Path(spec["out_dir"]) / f"rank{dist.get_rank()}.json", json.dumps(result))
