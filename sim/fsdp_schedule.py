@@ -74,7 +74,7 @@ class FsdpScheduleBuilder:
             temp = self._label(f"{kind.value}_temp", unit, mb)
             allocs.append(Alloc(temp, Mem.COMM_BUFFERS, nbytes))
             frees.append(temp)
-        duration = self.cfg.collective_s(kind.value, nbytes, group, dtype)
+        duration = self.cfg.collective_s(kind.value, nbytes, group, dtype) + kw.pop("extra_s", 0.0)
         op = self.p.emit(
             stream, kind, f"{kind.value} {unit}", unit, mb, duration,
             deps=tuple(deps), allocs=tuple(allocs), frees=tuple(frees), group=group, bytes=nbytes, **kw,
@@ -130,9 +130,12 @@ class FsdpScheduleBuilder:
             allocs.append(Alloc(cast, Mem.COMM_BUFFERS, padded // self.w * cfg.param_bytes))
             frees.append(cast)
         deps = (self.ag_wait,) if self.ag_wait is not None else ()
+        # the copy-in (the shard into the send buffer, cast to param_dtype) runs just before the
+        # collective on the all-gather streams: it is part of this op's time
+        copy_in_s = cfg.costs.copy_s(padded // self.w * max(cfg.param_bytes, cfg.master_bytes))
         op = self._collective(
             OpKind.ALL_GATHER, Stream.ALL_GATHER, unit, mb, padded * cfg.param_bytes, GroupKind.SHARD,
-            cfg.param_dtype, deps=deps, allocs=tuple(allocs), frees=tuple(frees),
+            cfg.param_dtype, deps=deps, allocs=tuple(allocs), frees=tuple(frees), extra_s=copy_in_s,
         )  # fmt: skip
         self.pending[unit] = (op, out)
 
