@@ -15,6 +15,7 @@ from sim.events import OpKind
 from sim.scenario import load_scenario
 from sim.simulate import simulate
 from validation.compare import simulated_phases
+from validation.real_timeline import timeline_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "scenarios" / "tiny.toml")
@@ -33,8 +34,8 @@ def cpu_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _validate(profile: Path, *overrides: str) -> dict:
-    sets = [a for o in overrides for a in ("--set", o)]
+def _validate(profile: Path, *overrides: str, extra: tuple[str, ...] = ()) -> dict:
+    sets = [a for o in overrides for a in ("--set", o)] + list(extra)
     cmd = [sys.executable, "-m", "sim.cli", "validate", TINY, "--nproc", "2", "--steps", "2", "--warmup", "1",
            "--profile", str(profile), "--format", "json", *sets]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -54,8 +55,13 @@ def _row(result: dict, metric: str) -> dict:
     ],
     ids=["full_shard-fp32", "shard_grad_op-bf16-ckpt"],
 )
-def test_real_fsdp2_run_matches_the_simulation(cpu_profile: Path, overrides: tuple[str, ...]) -> None:
-    result = _validate(cpu_profile, *overrides)
+def test_real_fsdp2_run_matches_the_simulation(
+    cpu_profile: Path, overrides: tuple[str, ...], tmp_path: Path
+) -> None:
+    html = tmp_path / "val.html"
+    result = _validate(cpu_profile, *overrides, extra=("--timeline", str(html)))
+    text = html.read_text()
+    assert "measured: step" in text and "predicted (top)" in text
     assert result["collectives_match"], result["collectives"]
     assert {c["collective"] for c in result["collectives"]} == {"all_gather", "reduce_scatter"}
     peak = _row(result, "peak memory")
@@ -71,6 +77,22 @@ def test_validate_refuses_a_user_mistake_with_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.startswith("fsdpsim: error:") and "Traceback" not in proc.stderr
     assert "parallel.wrap" in proc.stderr
+
+
+def test_measured_timeline_puts_collectives_on_their_streams_and_the_rest_on_compute() -> None:
+    phases = [("forward", 10.0, 14.0), ("backward", 14.0, 20.0), ("optimizer", 20.0, 21.0)]
+    collectives = [("all_gather", 10.0, 11.0, 400), ("reduce_scatter", 18.0, 19.5, 800)]
+    table = timeline_table(phases, collectives, world_size=2)
+    ops = sorted(table.ops, key=lambda o: o.start_s)
+    assert [(o.stream.value, o.kind.value, o.start_s, o.end_s) for o in ops] == [
+        ("all_gather", "all_gather", 0.0, 1.0),
+        ("compute", "forward", 1.0, 4.0),
+        ("compute", "backward", 4.0, 8.0),
+        ("reduce_scatter", "reduce_scatter", 8.0, 9.5),
+        ("compute", "backward", 9.5, 10.0),
+        ("compute", "optimizer", 10.0, 11.0),
+    ]
+    assert [o.bytes for o in ops if o.kind.is_collective] == [400, 800]
 
 
 def test_simulated_phases_split_where_the_real_timers_split() -> None:

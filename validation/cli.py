@@ -6,7 +6,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sim.errors import UserError
 from sim.io import write_text_atomic
@@ -24,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="calibrated profile to simulate with (default: calibrate now)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--out", help="write the report as markdown to this file")
+    p.add_argument(
+        "--timeline",
+        metavar="HTML",
+        help="write the predicted step's timeline with the measured one (rank 0, CPU runs) stacked under it",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the real run is stopped")
     p.add_argument(
         "--matrix", action="store_true", help="run the validation matrix and write --out (VALIDATION.md)"
@@ -58,6 +63,12 @@ def calibrated_profile(
     return str(profile)
 
 
+class Validation(NamedTuple):
+    predicted: Any  # sim.simulate.SimResult
+    ranks: list[dict[str, Any]]  # each rank's measurements (validation.worker)
+    comparison: Any  # validation.compare.Comparison
+
+
 def validate_one(
     scenario_path: str,
     overrides: list[str],
@@ -67,8 +78,8 @@ def validate_one(
     warmup: int,
     profile: str | None,
     timeout_s: float,
-) -> tuple[dict[str, Any], Any]:
-    """Run for real, simulate with a calibrated profile, and compare. Returns (report, comparison)."""
+) -> "Validation":
+    """Run for real, simulate with a calibrated profile, and compare."""
     from sim.profile import load_profile
     from sim.scenario import load_scenario
     from sim.simulate import simulate
@@ -84,7 +95,7 @@ def validate_one(
         result = simulate(scenario)
     spec = {"scenario": scenario_path, "overrides": overrides, "steps": steps, "warmup": warmup}
     ranks = run_real(spec, nproc, timeout_s)
-    return result.report, compare(result.report, result.events, ranks)
+    return Validation(result, ranks, compare(result.report, result.events, ranks))
 
 
 def main(argv: list[str]) -> int:
@@ -104,15 +115,37 @@ def main(argv: list[str]) -> int:
         raise UserError(
             "--steps, --warmup and --nproc must be >= 1 (one warm-up step creates the optimizer state)"
         )
-    report, comparison = validate_one(
+    if args.timeline and Path(args.timeline).is_dir():
+        raise UserError(f"{args.timeline}: is a directory, expected a file path")
+    validation = validate_one(
         args.scenario, args.overrides, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
         profile=args.profile, timeout_s=args.timeout,
     )  # fmt: skip
+    comparison = validation.comparison
+    if args.timeline:
+        _write_timeline(args.timeline, args.scenario, validation)
     text = format_markdown(f"{args.scenario} on {args.nproc} ranks", comparison)
     print(json.dumps(as_json(comparison), indent=2) if args.format == "json" else text)
     if args.out:
         write_text_atomic(args.out, text + "\n")
     return 0 if comparison.collectives_match else 1
+
+
+def _write_timeline(path: str, title: str, validation: Validation) -> None:
+    from sim.timeline import write_timeline_html
+    from validation.real_timeline import timeline_table
+
+    real = validation.ranks[0].get("timeline") or {}
+    if not real:
+        raise UserError(
+            "--timeline: the real run recorded no host timeline (only CPU runs, whose collectives block)"
+        )
+    table = timeline_table(real["phases"], real["collectives"], validation.predicted.events.world_size)
+    write_timeline_html(
+        validation.predicted.events, path, title=f"{title}: predicted (top) and measured on rank 0 (bottom)",
+        compare=("measured", table),
+    )  # fmt: skip
+    print(f"timeline written to {path}", file=sys.stderr)
 
 
 def _memory_only(args: argparse.Namespace) -> int:

@@ -13,10 +13,15 @@ of the same scenario: identical bytes in every tracker category):
 - one untracked step (creates the optimizer state), then ``FSDPMemTracker`` around one more step
   (``validation.worker.Trainer.step``: forward, backward, ``optimizer.step()``,
   ``zero_grad(set_to_none=True)``).
-Kernels are the CPU ones (attention, loss); which attention kernel ran is recorded in ``kernels``.
+Kernels are the CPU ones (attention, loss); which attention kernel ran, and whether it was given
+``is_causal`` or an explicit mask, is recorded in ``kernels``.
+The attention mask is decided as in the real run (``one_sequence_per_row``): transformers counts a
+FakeTensor as tracing and, unable to read the positions, would assume packed sequences and
+materialise a mask (plus, with GQA, copies of K and V), where the real run passes ``is_causal``.
 NO_SHARD (DDP) is not supported: DDP's reducer needs real tensors.
 """
 
+import contextlib
 import json
 import os
 import resource
@@ -24,11 +29,13 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sim.errors import UserError
@@ -42,6 +49,8 @@ KERNEL_OPS = {
     "attention": ("scaled_dot_product", "aten._softmax.", "aten._safe_softmax."),
     "loss": ("nll_loss", "cross_entropy", "log_softmax"),
 }
+# attention's mask arguments across the SDPA overloads (flash/math take attn_mask, efficient/cudnn attn_bias)
+MASK_ARGS = ("attn_mask", "attn_bias")
 PEAK_TOP = 10  # storage sizes listed per category in ``peak_detail``
 
 
@@ -60,18 +69,85 @@ class FakeTrainer(Trainer):
 
 
 class KernelRecorder(TorchDispatchMode):
-    """Records the aten overloads of the attention and loss kernels a step dispatches."""
+    """Records the aten overloads of the attention and loss kernels a step dispatches.
+
+    ``kernels["attention_mask"]`` says how the forward SDPA kernels were masked: "is_causal" (no
+    mask tensor, the causal flag), "mask" (an explicit mask tensor) or "none".
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.kernels: dict[str, list[str]] = {kind: [] for kind in KERNEL_OPS}
+        self.kernels["attention_mask"] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         for kind, words in KERNEL_OPS.items():
             if any(w in name for w in words) and name not in self.kernels[kind]:
                 self.kernels[kind].append(name)
+        if "scaled_dot_product" in name and "backward" not in name:
+            masking = _attention_masking(func, args, kwargs or {})
+            if masking not in self.kernels["attention_mask"]:
+                self.kernels["attention_mask"].append(masking)
         return func(*args, **(kwargs or {}))
+
+
+def _attention_masking(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """"mask", "is_causal" or "none" for one call of an SDPA overload (arguments bound by its schema)."""
+    bound = dict(kwargs)
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+    if any(bound.get(a) is not None for a in MASK_ARGS):
+        return "mask"
+    return "is_causal" if bound.get("is_causal") else "none"
+
+
+@contextlib.contextmanager
+def one_sequence_per_row(model: nn.Module) -> Iterator[None]:
+    """Decide transformers' causal mask as the real run does: no packed sequences.
+
+    Without a KV cache and without an ``attention_mask``, transformers' ``create_causal_mask``
+    looks for packed sequences in ``position_ids`` (``masking_utils.find_packed_sequence_indices``:
+    a position that does not follow its predecessor starts a new sequence). Reading the positions
+    is data dependent, so for a FakeTensor (``is_tracing`` counts FakeTensors as tracing) it gives
+    up and returns its fake result as if packed; ``create_causal_mask`` then materialises a mask
+    instead of leaving SDPA its ``is_causal`` flag, and with GQA ``repeat_kv`` copies K and V
+    (``use_gqa_in_sdpa`` needs no mask). Real runs, on the CPU and on GPUs alike, read the
+    positions, find one sequence per row and take the mask-free path.
+
+    Inside this context a FakeTensor of positions is answered "not packed" (None), which is
+    exactly what the real run finds: ``validation.worker`` passes only ``input_ids`` and
+    ``labels``, so the positions are the model's own ``arange(seq_len)`` on every row. A forward
+    that is given ``position_ids`` or an ``attention_mask`` (whose values fake tensors lack)
+    raises a UserError instead of being measured on the wrong path. Real tensors, and
+    everything outside the context, keep transformers' own decision.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if isinstance(position_ids, FakeTensor):
+            return None  # the model's own arange positions: one sequence per row
+        return original(position_ids)
+
+    def refuse_value_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        given = [k for k in ("position_ids", "attention_mask") if kwargs.get(k) is not None]
+        if given:
+            raise UserError(
+                f"fake memory measurement: the step passes {' and '.join(given)}; deciding the "
+                "attention mask from them needs their values, which fake tensors do not have"
+            )
+
+    hook = model.register_forward_pre_hook(refuse_value_inputs, with_kwargs=True)
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+        hook.remove()
 
 
 def attention_kernel(kernels: dict[str, list[str]]) -> str:
@@ -168,7 +244,8 @@ def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, A
 
     Returns ``total`` (the tracker's peak), the six simulator categories at that peak, ``raw``
     (the tracker's own categories), ``world_size``, ``wall_s`` (build and both steps),
-    ``kernels`` (attention/loss aten ops that ran, ``attention_kernel`` in the simulator's terms)
+    ``kernels`` (attention/loss aten ops that ran, ``attention_mask`` how attention was masked,
+    ``attention_kernel`` in the simulator's terms)
     and ``peak_at`` (op, phase, modules at the peak; live storage sizes with ``detail``).
     Leaves a destroyed process group and global fake-mode state behind: call once per process.
     """
@@ -183,11 +260,12 @@ def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, A
         mesh = _mesh(scenario)  # outside the fake mode: DeviceMesh needs real rank tensors
         with FakeTensorMode():
             trainer = FakeTrainer(scenario, mesh)
-            with KernelRecorder() as recorder:
-                trainer.step(0)  # untracked: creates the optimizer state
-            tracker = _tracker_class()(trainer.model, trainer.optimizer, detail=detail)
-            with tracker:
-                trainer.step(1)
+            with one_sequence_per_row(trainer.model):
+                with KernelRecorder() as recorder:
+                    trainer.step(0)  # untracked: creates the optimizer state
+                tracker = _tracker_class()(trainer.model, trainer.optimizer, detail=detail)
+                with tracker:
+                    trainer.step(1)
             snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     finally:
         dist.destroy_process_group()

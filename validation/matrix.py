@@ -104,9 +104,9 @@ def run_matrix(*, out: str, steps: int, warmup: int, nproc: int) -> list[tuple[s
             folder.mkdir()
             sets = [*overrides, f"parallel.world_size={nproc}"]
             profile = calibrated_profile(BASE, sets, nproc, folder, str(comm))
-            _, comparison = validate_one(
+            comparison = validate_one(
                 BASE, overrides, nproc=nproc, steps=steps, warmup=warmup, profile=profile, timeout_s=1800
-            )
+            ).comparison
             results.append((name, comparison))
             write_text_atomic(out, _document(results, memory, steps, warmup, nproc))
     for i, (name, overrides) in enumerate(MEMORY_MATRIX):

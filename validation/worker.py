@@ -94,6 +94,7 @@ class Trainer:
     def step(self, index: int) -> dict[str, float]:
         """One optimizer step (all micro-batches); returns phase times in seconds."""
         phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        self.marks: list[tuple[str, float, float]] = []  # (phase, start, end) on the host clock
         for mb in range(self.scenario.training.grad_accum):
             ids, labels = (t.to(self.device) for t in _batch(self.scenario, self.rank, index * 100 + mb))
             t0 = _sync(self.device)
@@ -104,10 +105,13 @@ class Trainer:
             t2 = _sync(self.device)
             phases["forward"] += t1 - t0
             phases["backward"] += t2 - t1
+            self.marks += [("forward", t0, t1), ("backward", t1, t2)]
         t2 = _sync(self.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        phases["optimizer"] = _sync(self.device) - t2
+        t3 = _sync(self.device)
+        phases["optimizer"] = t3 - t2
+        self.marks.append(("optimizer", t2, t3))
         return phases
 
 
@@ -171,12 +175,22 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         trainer.step(spec["warmup"] + spec["steps"] + 1)
         counts = {k: dict(v) for k, v in trainer.ddp_counts.items()}
     memory = _peak_memory(trainer, spec["warmup"] + spec["steps"] + 2)
+    timeline: dict[str, Any] = {}
+    if trainer.device.type == "cpu":  # host timestamps are the step's timeline only when collectives block
+        from validation.real_timeline import timed_collectives
+
+        records: list[tuple[str, float, float, int]] = []
+        dist.barrier()
+        with timed_collectives(records):
+            trainer.step(spec["warmup"] + spec["steps"] + 3)
+        timeline = {"phases": trainer.marks, "collectives": records}
     return {
         "rank": trainer.rank,
         "step_times_s": times,
         "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
         "collectives": counts,
         "memory_peak": memory,
+        "timeline": timeline,
         "threads": torch.get_num_threads(),
     }
 

@@ -1,0 +1,76 @@
+"""A real run's step as an event table, so a timeline can stack it under the prediction.
+
+On a backend whose collectives block the host (gloo on a CPU) the host's clock sees the whole
+step: each collective is timed around the ``torch.distributed`` call FSDP2/DDP make, and the rest
+of each phase (forward, backward, optimizer) is compute and FSDP's own work. On a GPU the host
+runs ahead of the device, so this timeline would show launch times: it is recorded on CPU only.
+"""
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sim.events import EventTable, OpKind, OpRecord, Stream
+from sim.intervals import difference
+
+# torch.distributed function -> (collective, position and keyword of the tensor whose size is
+# nccl-tests' size: the all-gather output, the reduce-scatter input, the all-reduce buffer).
+# FSDP2 in torch 2.13 calls the *_single names; older releases the *_tensor ones.
+TIMED = {
+    "all_gather_single": ("all_gather", 0, "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
+    "reduce_scatter_single": ("reduce_scatter", 1, "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
+    "all_reduce": ("all_reduce", 0, "tensor"),
+}
+STREAMS = {
+    "all_gather": Stream.ALL_GATHER,
+    "reduce_scatter": Stream.REDUCE_SCATTER,
+    "all_reduce": Stream.ALL_REDUCE,
+}
+
+
+@contextmanager
+def timed_collectives(records: list[tuple[str, float, float, int]]) -> Iterator[None]:
+    """Append (collective, start, end, bytes) for every blocking collective called inside."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in TIMED if hasattr(dist, name)}
+
+    def wrap(name: str) -> Any:
+        collective, index, keyword = TIMED[name]
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            result = originals[name](*args, **kwargs)
+            tensor = args[index] if len(args) > index else kwargs[keyword]
+            records.append((collective, start, time.perf_counter(), tensor.numel() * tensor.element_size()))
+            return result
+
+        return timed
+
+    try:
+        for name in originals:
+            setattr(dist, name, wrap(name))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def timeline_table(
+    phases: list[tuple[str, float, float]], collectives: list[tuple[str, float, float, int]], world_size: int
+) -> EventTable:
+    """Rank 0's measured step: collectives on their streams, the rest of each phase as compute."""
+    origin = min(start for _, start, _ in phases)
+    table = EventTable(world_size=world_size, simulated_ranks=[0])
+    spans = [(s - origin, e - origin) for _, s, e, _ in collectives]
+    for i, (kind, start, end, nbytes) in enumerate(collectives):
+        table.ops.append(OpRecord(0, i, STREAMS[kind], OpKind(kind), f"{kind} (measured)", "", 0,
+                                  start - origin, start - origin, end - origin, nbytes, world_size))  # fmt: skip
+    for name, start, end in phases:
+        for a, b in difference([(start - origin, end - origin)], spans):
+            table.ops.append(OpRecord(0, len(table.ops), Stream.COMPUTE, OpKind(name), f"{name} (measured)", "",
+                                      0, a, a, b))  # fmt: skip
+    return table
