@@ -115,11 +115,38 @@ def build_report(
         "collectives": collective_summary(table, 0),
         "ranks_simulated": len(table.simulated_ranks),
         "per_rank": per_rank,
+        **padding_note(scenario),
+    }
+
+
+def padding_note(scenario: Scenario) -> dict[str, Any]:
+    """With ``training.avg_seq_len``, tokens/s count real tokens only; compute and memory (and MFU)
+    are those of the padded sequences the kernels actually process."""
+    t = scenario.training
+    if t.avg_seq_len is None:
+        return {}
+    return {
+        "padding": {
+            "seq_len": t.seq_len,
+            "avg_seq_len": t.avg_seq_len,
+            "real_token_fraction": t.avg_seq_len / t.seq_len,
+            "note": "tokens_per_s counts real tokens; step time, memory and MFU include the padding",
+        }
     }
 
 
 def _gb(x: float) -> str:
     return f"{x / GB:,.2f} GB"
+
+
+def _padding_lines(report: dict[str, Any]) -> list[str]:
+    pad = report.get("padding")
+    if not pad:
+        return []
+    return [
+        f"  padding       real tokens only: {pad['avg_seq_len']:,} of {pad['seq_len']:,} per sequence "
+        f"({pad['real_token_fraction']:.0%}); MFU includes the padding"
+    ]
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -140,6 +167,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"  idle          {b['idle'] * 1e3:,.2f} ms ({b['idle'] / step:.0%})",
         f"throughput    {report['tokens_per_s']:,.0f} tokens/s ({report['tokens_per_s_per_gpu']:,.0f} per rank), "
         f"MFU {report['mfu']:.1%}",
+        *_padding_lines(report),
         "",
         f"peak memory   {_gb(report['peak_memory_bytes'])} of {_gb(report['device_memory_bytes'])} "
         f"on rank {report['peak_memory_rank']}: "

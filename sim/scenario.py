@@ -61,6 +61,7 @@ class TrainingSection:
     micro_batch: int = 1
     seq_len: int = 2048
     grad_accum: int = 1
+    avg_seq_len: int | None = None  # mean real tokens per sequence padded to seq_len; None: no padding
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,8 +167,10 @@ class Scenario:
 
     @property
     def tokens_per_step(self) -> int:
+        """Real (non-padding) tokens of one optimizer step over all ranks."""
         t = self.training
-        return t.micro_batch * t.seq_len * t.grad_accum * self.parallel.world_size
+        real = t.seq_len if t.avg_seq_len is None else t.avg_seq_len
+        return t.micro_batch * real * t.grad_accum * self.parallel.world_size
 
 
 def _type_name(tp: Any) -> str:
@@ -241,6 +244,11 @@ def _check(s: Scenario, where: str) -> None:
 
     for name in ("micro_batch", "seq_len", "grad_accum"):
         positive(f"training.{name}", getattr(s.training, name))
+    avg = s.training.avg_seq_len
+    if avg is not None and not 0 < avg <= s.training.seq_len:
+        raise UserError(
+            f"{where}: training.avg_seq_len must be in [1, training.seq_len = {s.training.seq_len}], got {avg}"
+        )
     p = s.parallel
     positive("parallel.world_size", p.world_size)
     positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb)

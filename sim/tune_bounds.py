@@ -1,0 +1,94 @@
+"""Cheap bounds that let the tuner skip a candidate without simulating it.
+
+Both are computed from the same ``StepConfig`` the schedule builders use (``sim.simulate.build_step``),
+so they are bounds on the simulator's own numbers, not estimates of a different model:
+
+- ``memory_lower_bound_bytes``: the memory held at two instants every schedule goes through
+  (``sim.fsdp_schedule``, ``sim.ddp_schedule``): during the optimizer step and during the last
+  forward op of the last micro-batch. Any peak is at least either.
+- ``step_time_lower_bound_s``: the work that is certain to run on the compute stream of every rank,
+  one op after another: forward, backward, recomputation, FSDP2's copy-out / copy-in and the
+  optimizer. Without compute jitter no rank's compute is shorter than this, so neither is the step.
+"""
+
+from sim.report import model_state_bytes
+from sim.scenario import Scenario, Strategy
+from sim.step_config import StepConfig
+
+
+def _no_shard(scenario: Scenario) -> bool:
+    return scenario.parallel.strategy is Strategy.NO_SHARD
+
+
+def activations_at_forward_end_bytes(step: StepConfig, no_shard: bool) -> int:
+    """Saved activations of one micro-batch when its last forward op runs, plus that op's
+    transient: every segment's saved tensors, or with checkpointing each block's input and the
+    non-block segments' saved tensors (a checkpointed block frees its intermediates as it ends).
+    The DDP schedule does not model checkpointing."""
+    costs, segs = step.costs, step.segments
+    if step.checkpointing and not no_shard:
+        blocks = {s.block for s in segs if s.block is not None}
+        saved = len(blocks) * step.block_input_bytes + sum(
+            costs.saved_bytes(s) for s in segs if s.block is None
+        )
+    else:
+        saved = sum(costs.saved_bytes(s) for s in segs)
+    return saved + costs.forward_transient_bytes(segs[-1])
+
+
+def _unsharded_at_forward_end_bytes(scenario: Scenario, step: StepConfig) -> int:
+    """Unsharded parameters alive at the end of forward: DDP's autocast weight copies; FSDP2's
+    root unit (never resharded) and, without reshard-after-forward, every unit."""
+    if _no_shard(scenario):
+        if step.param_bytes == step.master_bytes:
+            return 0
+        return sum(sum(p.numel for p in s.params) for s in step.segments) * step.param_bytes
+    w = step.shard_size
+    kept = step.units if not step.reshard_after_forward else step.units[-1:]
+    return sum(u.padded_numel(w) for u in kept) * step.param_bytes
+
+
+def memory_lower_bound_bytes(scenario: Scenario, step: StepConfig) -> int:
+    """A lower bound on the simulated peak memory of any rank, in bytes.
+
+    During the optimizer step: parameters, gradients and optimizer states (the exact FSDP2/DDP
+    model state, ``sim.report.model_state_bytes``), AdamW's foreach temporary (one fp32 element
+    per parameter) and DDP's gradient buckets. During the last forward op: parameters, optimizer
+    states, gradients when accumulating (FSDP2 keeps them from the first micro-batch on), the
+    saved activations and the unsharded parameters still held.
+    """
+    no_shard = _no_shard(scenario)
+    state = model_state_bytes(step, no_shard)
+    numel = state["params"] // step.master_bytes
+    buckets = numel * step.reduce_bytes if no_shard else 0
+    temp = numel * step.master_bytes if step.optimizer == "adamw" else 0
+    persistent = state["params"] + state["optimizer"] + step.buffer_bytes + buckets
+    at_optimizer = persistent + state["grads"] + temp
+    grads = state["grads"] if step.grad_accum > 1 else 0
+    at_forward_end = (
+        persistent
+        + grads
+        + activations_at_forward_end_bytes(step, no_shard)
+        + _unsharded_at_forward_end_bytes(scenario, step)
+    )
+    return max(at_optimizer, at_forward_end)
+
+
+def step_time_lower_bound_s(scenario: Scenario, step: StepConfig) -> float:
+    """A lower bound on the simulated step time, in seconds: the compute stream's certain work."""
+    costs, segs = step.costs, step.segments
+    per_mb = sum(costs.forward_s(s) + costs.backward_s(s) for s in segs)
+    if _no_shard(scenario):  # the DDP schedule does not model checkpointing
+        numel = sum(u.numel for u in step.units)
+        per_mb += costs.copy_s(numel * step.master_bytes)  # the reducer's bucket copy-out
+        return step.grad_accum * per_mb + costs.optimizer_s(numel)
+    if step.checkpointing:
+        per_mb += sum(costs.recompute_s(s) for s in segs if s.block is not None)
+    w = step.shard_size
+    padded = [u.padded_numel(w) for u in step.units]
+    copy_out = sum(costs.copy_s(n * step.param_bytes) for n in padded)  # forward, every unit
+    if step.reshard_after_forward:  # backward re-gathers every non-root unit
+        copy_out += sum(costs.copy_s(n * step.param_bytes) for n in padded[:-1])
+    copy_in = sum(costs.copy_s(n * max(step.param_bytes, step.reduce_bytes)) for n in padded)
+    per_mb += copy_out + copy_in
+    return step.grad_accum * per_mb + costs.optimizer_s(sum(n // w for n in padded))

@@ -1,0 +1,133 @@
+"""The what-if scenario library: each file runs through ``fsdpsim run --format json`` in a subprocess,
+as a user would, and its answer (the figures in the README) is checked as relations and ranges."""
+
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = (
+    "sft-vs-grpo-7b.toml",
+    "grpo-7b.toml",
+    "packing-vs-padding-7b.toml",
+    "wrap-granularity-llama2-7b.toml",
+    "scaleout-llama3-70b.toml",
+    "slow-rank-7b.toml",
+)
+GB = 1e9
+
+
+@cache
+def run(name: str, *sets: str) -> dict:
+    """The JSON report of ``fsdpsim run scenarios/NAME --set ...`` (cached: each variant runs once)."""
+    args = [a for s in sets for a in ("--set", s)]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sim.cli", "run", f"scenarios/{name}", *args, "--format", "json"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("name", LIBRARY)
+def test_file_states_its_question_and_runs(name: str) -> None:
+    text = (ROOT / "scenarios" / name).read_text()
+    assert text.startswith("# Question: ")
+    report = run(name)
+    assert report["fits"] and report["step_time_s"] > 0
+
+
+def test_grpo_costs_eight_times_the_time_and_twice_the_activations() -> None:
+    sft, grpo = run("sft-vs-grpo-7b.toml"), run("grpo-7b.toml")
+    assert grpo["tokens_per_step"] == 8 * sft["tokens_per_step"]  # G = 8 responses per prompt
+    # 8x the sequences: a little under 8x the time (the optimizer step is paid once)
+    assert 7.0 < grpo["step_time_s"] / sft["step_time_s"] < 8.0
+    ratio = grpo["memory_at_peak_bytes"]["activations"] / sft["memory_at_peak_bytes"]["activations"]
+    assert ratio == pytest.approx(2.0, rel=0.01)  # micro-batch x 2
+    assert grpo["peak_memory_bytes"] > sft["peak_memory_bytes"] + 20 * GB
+
+
+def test_packing_beats_padding_in_useful_tokens_per_second() -> None:
+    padded = run("packing-vs-padding-7b.toml")
+    packed = run("packing-vs-padding-7b.toml", "training.micro_batch=1", "training.avg_seq_len=2048")
+    assert (
+        padded["padding"]["real_token_fraction"] == 0.25 and packed["padding"]["real_token_fraction"] == 1.0
+    )
+    assert packed["tokens_per_step"] == padded["tokens_per_step"]  # same real tokens per step
+    assert packed["tokens_per_s"] > 3 * padded["tokens_per_s"]
+    assert packed["peak_memory_bytes"] < 0.5 * padded["peak_memory_bytes"]
+
+
+def test_wrap_granularity_sets_the_number_of_collectives() -> None:
+    model, block, linear = (
+        run("wrap-granularity-llama2-7b.toml", f"parallel.wrap={w}") for w in ("model", "block", "linear")
+    )
+
+    def counts(r: dict) -> tuple[int, int]:
+        return int(r["collectives"]["all_gather"]["count"]), int(r["collectives"]["reduce_scatter"]["count"])
+
+    layers, linears = 32, 32 * 7 + 2  # q, k, v, o, gate, up, down per layer + embedding + lm_head
+    # a non-root unit is gathered in forward and backward and reduce-scattered once; the root once each
+    assert counts(model) == (1, 1)
+    assert counts(block) == (2 * layers + 1, layers + 1)
+    assert counts(linear) == (2 * linears + 1, linears + 1)
+    exposed = {
+        w: r["breakdown_s"]["exposed_comm"]
+        for w, r in (("model", model), ("block", block), ("linear", linear))
+    }
+    assert exposed["model"] > 10 * exposed["block"] > exposed["linear"]  # one unit cannot overlap
+    assert model["peak_memory_bytes"] > block["peak_memory_bytes"] + 20 * GB > linear["peak_memory_bytes"]
+
+
+def test_hybrid_shard_beats_full_shard_at_1024_ranks() -> None:
+    base = run("scaleout-llama3-70b.toml")
+    full = run("scaleout-llama3-70b.toml", "parallel.world_size=1024")
+    hybrid = run("scaleout-llama3-70b.toml", "parallel.world_size=1024", "parallel.strategy=HYBRID_SHARD")
+    hybrid64 = run(
+        "scaleout-llama3-70b.toml",
+        "parallel.world_size=1024",
+        "parallel.strategy=HYBRID_SHARD",
+        "parallel.shard_group_size=64",
+    )
+    assert full["ranks_simulated"] == 1  # no jitter: identical ranks simulated once
+    # weak scaling: FULL_SHARD keeps its per-GPU throughput within 2 % from 64 to 1,024 ranks
+    assert full["tokens_per_s_per_gpu"] == pytest.approx(base["tokens_per_s_per_gpu"], rel=0.02)
+    assert hybrid["step_time_s"] < 0.8 * full["step_time_s"]
+    assert hybrid["breakdown_s"]["exposed_comm"] < 0.05 * full["breakdown_s"]["exposed_comm"]
+    # ...but 8-way sharding leaves 141 GB of model state per GPU: it does not fit
+    assert not hybrid["fits"] and hybrid["model_state_bytes"] > 140 * GB
+    assert hybrid64["fits"] and hybrid64["step_time_s"] <= full["step_time_s"]
+
+
+def test_the_slow_rank_slows_everyone() -> None:
+    slow = run("slow-rank-7b.toml")
+    healthy = run("slow-rank-7b.toml", "simulation.slow_rank_factor=1.0")
+    assert slow["ranks_simulated"] == 8
+    assert 1.05 < slow["step_time_s"] / healthy["step_time_s"] <= 1.10
+    ranks = {r["rank"]: r for r in slow["per_rank"]}
+    for rank, r in ranks.items():
+        waiting = r["breakdown_s"]["idle"] + r["breakdown_s"]["exposed_comm"]
+        if rank != 3:  # the fast ranks wait for rank 3 inside every collective
+            assert waiting > 5 * (healthy["breakdown_s"]["idle"] + healthy["breakdown_s"]["exposed_comm"])
+
+
+def test_avg_seq_len_counts_real_tokens_and_is_checked() -> None:
+    padded = run("packing-vs-padding-7b.toml")
+    full = run("packing-vs-padding-7b.toml", "training.avg_seq_len=2048")
+    assert padded["step_time_s"] == full["step_time_s"]  # the padding is computed all the same
+    assert padded["peak_memory_bytes"] == full["peak_memory_bytes"] and padded["mfu"] == full["mfu"]
+    assert padded["tokens_per_s"] == pytest.approx(full["tokens_per_s"] / 4, rel=1e-12)
+    assert "note" in padded["padding"]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    for bad in ("training.avg_seq_len=4096", "training.avg_seq_len=0"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "sim.cli", "run", "scenarios/packing-vs-padding-7b.toml", "--set", bad],
+            capture_output=True, text=True, cwd=ROOT, env=env, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2 and "training.avg_seq_len" in proc.stderr, proc.stderr
