@@ -11,6 +11,7 @@ point's time goes besides ``simulate`` itself (parsing, worker round trip, resul
 
 import os
 import pickle
+import resource
 import time
 from typing import Any
 
@@ -60,6 +61,12 @@ def _phases(points: Any, sample: int = 100) -> dict[str, float]:
             "sent_B": sent, "returned_B": returned}  # fmt: skip
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of the finished worker processes (load on the machine does not count)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> None:
     points = expand(AXES, "grid", "bench")
     assert len(points) == N_POINTS, len(points)
@@ -69,15 +76,19 @@ def main() -> None:
           f"result pickling {ph['result_pickle_s'] * 1e6:.0f} us; sent {ph['sent_B']:.0f} B, "
           f"returned {ph['returned_B']:.0f} B")  # fmt: skip
     print(f"lower bound on {cores} cores from simulate alone: {N_POINTS * ph['simulate_s'] / cores:.1f} s")
+    cpu_before = _children_cpu_s()
     start = time.perf_counter()
     results = run_points(BASE, "bench", points, jobs=cores)
     run_s = time.perf_counter() - start
+    cpu_s = _children_cpu_s() - cpu_before
     rows = make_rows_for_bench(points, results)
     wall = time.perf_counter() - start
     errors = sum(bool(r["error"]) for r in rows)
     print(f"{N_POINTS:,} configurations (32 layers, 64 ranks) on {cores} cores: {wall:.1f} s "
           f"(running {run_s:.1f} s), {N_POINTS / wall:,.0f} configs/s, {errors} invalid")  # fmt: skip
     print(f"target {N_POINTS:,} in < {TARGET_S:.0f} s: ratio {wall / TARGET_S:.2f} (< 1 meets it)")
+    print(f"worker CPU time {cpu_s:.1f} s ({cpu_s / run_s:.2f} of {cores} cores busy): "
+          f"{N_POINTS / cpu_s:,.0f} configs per CPU-second, about {cpu_s / cores:.1f} s on {cores} idle cores")  # fmt: skip
 
 
 def make_rows_for_bench(points: Any, results: Any) -> list[dict[str, Any]]:

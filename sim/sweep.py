@@ -291,6 +291,7 @@ def main(argv: list[str]) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir}: exists and is not a directory")
     plan = make_plan(args.scenario, args.axes, args.overrides, args.zip)
+    _require_plotly()
     start = time.perf_counter()
     results = run_points(plan.base, plan.where, plan.points, executor=executor, jobs=args.jobs, progress=True)
     wall_s = time.perf_counter() - start
@@ -299,6 +300,14 @@ def main(argv: list[str]) -> int:
     print(markdown_text(rows, plan.axes), end="")
     _summary(rows, wall_s, written)
     return 0 if any(not row["error"] for row in rows) else 1
+
+
+def _require_plotly() -> None:
+    """Refuse before running anything when ``sweep.html`` could not be written."""
+    import importlib.util
+
+    if importlib.util.find_spec("plotly") is None:
+        raise UserError("fsdpsim sweep writes sweep.html with plotly: pip install -e '.[plot]'")
 
 
 def _summary(rows: Sequence[dict[str, Any]], wall_s: float, written: Sequence[Path]) -> None:

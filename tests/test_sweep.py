@@ -303,6 +303,15 @@ def test_a_missing_extra_names_it(
     assert not (tmp_path / "o").exists()
 
 
+def test_without_plotly_nothing_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "plotly", None)
+    assert sweep(scenario(tmp_path), "--out", tmp_path / "o", "--sweep", "training.micro_batch=1,2") == 2
+    assert "pip install -e '.[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_subprocess_error_is_one_line(tmp_path: Path) -> None:
     path = scenario(
         tmp_path, '[sweep]\n"training.micro_batch" = [1, 2]\n"training.seq_len" = [64]\nmode = "zip"\n'
