@@ -237,17 +237,23 @@ def markdown_text(rows: Sequence[dict[str, Any]], axes: Sequence[Axis]) -> str:
 
 
 def write_outputs(rows: Sequence[dict[str, Any]], axes: Sequence[Axis], out_dir: Path) -> list[Path]:
-    """Write ``sweep.csv``, ``sweep.md`` and (when some point is valid) ``sweep.html``, each atomically."""
+    """Write ``sweep.csv``, ``sweep.md`` and ``sweep.html`` (valid points only), each atomically.
+
+    With no valid point there is nothing to plot, and an older ``sweep.html`` is removed so the
+    folder never mixes two sweeps.
+    """
     written = [out_dir / "sweep.csv", out_dir / "sweep.md"]
     write_text_atomic(written[0], csv_text(rows, axes))
     write_text_atomic(written[1], markdown_text(rows, axes))
     valid = [row for row in rows if not row["error"]]
-    if valid:
-        from sim.sweep_plots import write_sweep_plots
+    html = out_dir / "sweep.html"
+    if not valid:
+        html.unlink(missing_ok=True)
+        return written
+    from sim.sweep_plots import write_sweep_plots
 
-        written.append(out_dir / "sweep.html")
-        write_sweep_plots(valid, written[2])
-    return written
+    write_sweep_plots(valid, html)
+    return [*written, html]
 
 
 def _positive_int(text: str) -> int:

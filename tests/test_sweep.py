@@ -238,6 +238,8 @@ def test_invalid_points_are_reported_in_their_rows(
 def test_every_point_invalid_exits_1_without_a_plot(tmp_path: Path) -> None:
     path = scenario(tmp_path)
     out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.html").write_text("an older sweep's plot")
     assert sweep(path, "--out", out, "--sweep", "parallel.world_size=3,5", "--set", "parallel.strategy=HYBRID_SHARD",
                  "--set", "parallel.shard_group_size=2", "--jobs", "1") == 1  # fmt: skip
     assert sorted(p.name for p in out.iterdir()) == ["sweep.csv", "sweep.md"]
