@@ -93,7 +93,7 @@ class KernelRecorder(TorchDispatchMode):
 
 
 def _attention_masking(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """"mask", "is_causal" or "none" for one call of an SDPA overload (arguments bound by its schema)."""
+    """ "mask", "is_causal" or "none" for one call of an SDPA overload (arguments bound by its schema)."""
     bound = dict(kwargs)
     for i, arg in enumerate(func._schema.arguments):
         if i < len(args) and not arg.kwarg_only:
