@@ -29,7 +29,10 @@ class OpKind(StrEnum):
 
     @property
     def is_collective(self) -> bool:
-        return self in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)
+        return self in _COLLECTIVE_KINDS
+
+
+_COLLECTIVE_KINDS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE})
 
 
 class MemoryCategory(StrEnum):

@@ -6,6 +6,7 @@ input_layernorm, post_attention_layernorm, then the final norm and lm_head. Llam
 """
 
 from dataclasses import dataclass
+from functools import cache
 from math import prod
 
 from sim.errors import UserError
@@ -120,7 +121,8 @@ def layer_params(cfg: ModelConfig, i: int) -> list[ParamSpec]:
     ]
 
 
-def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+@cache
+def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
     """Every parameter of ``LlamaForCausalLM(cfg)`` in registration order (tied head counted once)."""
     specs = [ParamSpec("model.embed_tokens.weight", (cfg.vocab, cfg.hidden))]
     for i in range(cfg.n_layers):
@@ -128,8 +130,9 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     specs.append(ParamSpec("model.norm.weight", (cfg.hidden,)))
     if not cfg.tie_embeddings:
         specs.append(ParamSpec("lm_head.weight", (cfg.vocab, cfg.hidden)))
-    return specs
+    return tuple(specs)
 
 
+@cache
 def n_params(cfg: ModelConfig) -> int:
     return sum(s.numel for s in param_specs(cfg))

@@ -7,6 +7,7 @@ like ``init_device_mesh(("replicate", "shard"))``.
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cache
 
 
 class GroupKind(StrEnum):
@@ -31,6 +32,7 @@ class Topology:
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
+    @cache  # noqa: B019 (topologies are few, small and immutable)
     def members(self, kind: GroupKind, rank: int) -> tuple[int, ...]:
         s = self.shard_size
         if kind is GroupKind.SHARD:

@@ -24,6 +24,11 @@ def padded_numel(spec: ParamSpec, shard_size: int) -> int:
     return ceil(rows / shard_size) * shard_size * prod(spec.shape[1:])
 
 
+@cache
+def _padded_total(params: tuple[ParamSpec, ...], shard_size: int) -> int:
+    return sum(padded_numel(p, shard_size) for p in params)
+
+
 @dataclass(frozen=True, kw_only=True)
 class WrapUnit:
     name: str
@@ -39,7 +44,7 @@ class WrapUnit:
         return sum(p.numel for p in self.params)
 
     def padded_numel(self, shard_size: int) -> int:
-        return sum(padded_numel(p, shard_size) for p in self.params)
+        return _padded_total(self.params, shard_size)
 
     def owns(self, module: str) -> bool:
         return self.prefix == "" or module == self.prefix or module.startswith(self.prefix + ".")

@@ -41,3 +41,13 @@ def test_trace_dir_writes_one_trace_per_simulated_rank(tmp_path: Path) -> None:
         trace = json.loads((out / name).read_text())
         assert trace["distributedInfo"]["rank"] == r
         assert {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"} == {r}
+
+
+def test_output_files_get_the_usual_permissions(tmp_path: Path) -> None:
+    import os
+
+    out = tmp_path / "report.json"
+    assert _run("--format", "json", "--out", str(out)).returncode == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask

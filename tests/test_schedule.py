@@ -180,3 +180,20 @@ def test_linear_wrap_issues_two_collectives_per_linear():
     # the embedding unit reshards after forward like any non-root unit and is gathered again in
     # backward; only the root stays gathered
     assert len(ags) == 1 + 2 * 9
+
+
+def test_ddp_checkpointing_recomputes_each_block_and_keeps_only_block_inputs():
+    base = {"model": {"preset": "tiny", "n_layers": 3}, "parallel": {"world_size": 2, "strategy": "NO_SHARD"}}
+    plain = simulate(make_scenario(**base))
+    ckpt = simulate(make_scenario(**base, checkpointing={"mode": "full"}))
+    recomputed = [o.unit for o in ckpt.events.ops_of(0) if o.kind is OpKind.RECOMPUTE]
+    assert sorted(set(recomputed)) == [f"model.layers.{i}" for i in range(3)]
+    block_inputs = [
+        m for m in ckpt.events.memory_of(0) if m.label.startswith("block_input") and m.delta_bytes > 0
+    ]
+    assert len(block_inputs) == 3 and all(m.delta_bytes == 2 * 64 * 64 * 4 for m in block_inputs)
+    assert (
+        ckpt.report["memory_at_peak_bytes"]["activations"]
+        < plain.report["memory_at_peak_bytes"]["activations"]
+    )
+    assert ckpt.report["step_time_s"] > plain.report["step_time_s"]
