@@ -14,12 +14,12 @@ and backward can be timed and measured alone.
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from calibrate.compute import ComputeTarget
+from calibrate.hf_llama import llama_config
 from calibrate.sweep import TORCH_DTYPES
 
 
@@ -37,29 +37,12 @@ class Unit:
         return list(self.module.parameters())
 
 
-def llama_config(target: ComputeTarget) -> Any:
-    from transformers import LlamaConfig
-
-    m = target.model
-    return LlamaConfig(  # type: ignore[call-arg]
-        vocab_size=m.vocab,
-        hidden_size=m.hidden,
-        intermediate_size=m.ffn_hidden,
-        num_hidden_layers=1,
-        num_attention_heads=m.n_heads,
-        num_key_value_heads=m.n_kv_heads,
-        max_position_embeddings=max(target.seq_len, 2048),
-        tie_word_embeddings=m.tie_embeddings,
-        attn_implementation="sdpa",
-    )
-
-
 def build_units(target: ComputeTarget, device: torch.device, seed: int = 0) -> dict[str, Unit]:
     from transformers.loss.loss_utils import ForCausalLMLoss
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
     torch.manual_seed(seed)
-    cfg = llama_config(target)
+    cfg = llama_config(target.model, target.seq_len, n_layers=1)
     dtype = TORCH_DTYPES[target.param_dtype]
     b, s, h, v = target.micro_batch, target.seq_len, target.model.hidden, target.model.vocab
     rotary = LlamaRotaryEmbedding(config=cfg).to(device)

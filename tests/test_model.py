@@ -16,17 +16,11 @@ transformers = pytest.importorskip("transformers")
 
 
 def hf_model(cfg: ModelConfig):
-    hf_cfg = transformers.LlamaConfig(
-        num_hidden_layers=cfg.n_layers,
-        hidden_size=cfg.hidden,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        intermediate_size=cfg.ffn_hidden,
-        vocab_size=cfg.vocab,
-        tie_word_embeddings=cfg.tie_embeddings,
-    )
+    """The model validation and calibration build, on the meta device."""
+    from calibrate.hf_llama import llama_config
+
     with torch.device("meta"):
-        return transformers.LlamaForCausalLM(hf_cfg)
+        return transformers.LlamaForCausalLM(llama_config(cfg, seq_len=128))
 
 
 CASES = [

@@ -11,30 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from calibrate.hf_llama import llama_config
+from calibrate.sweep import TORCH_DTYPES
 from sim.model import ModelConfig
 from sim.scenario import CheckpointMode, Scenario, Strategy, WrapPolicy
 from sim.units import unit_prefixes
-
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def llama_config(model: ModelConfig, seq_len: int) -> Any:
-    from transformers import LlamaConfig
-
-    config: Any = LlamaConfig
-    return config(
-        vocab_size=model.vocab,
-        hidden_size=model.hidden,
-        intermediate_size=model.ffn_hidden,
-        num_hidden_layers=model.n_layers,
-        num_attention_heads=model.n_heads,
-        num_key_value_heads=model.n_kv_heads,
-        tie_word_embeddings=model.tie_embeddings,
-        max_position_embeddings=max(seq_len, 128),
-        # training: no KV cache (with checkpoint_wrapper a cache would keep every layer's K/V)
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
 
 
 def build_llama(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
