@@ -197,3 +197,30 @@ def test_ddp_checkpointing_recomputes_each_block_and_keeps_only_block_inputs():
         < plain.report["memory_at_peak_bytes"]["activations"]
     )
     assert ckpt.report["step_time_s"] > plain.report["step_time_s"]
+
+
+def _max_live(result, prefix):
+    live = best = 0
+    for m in sorted(result.events.memory_of(0), key=lambda m: (m.time_s, m.delta_bytes)):
+        if m.label.startswith(prefix):
+            live += 1 if m.delta_bytes > 0 else -1
+            best = max(best, live)
+    return best
+
+
+@pytest.mark.parametrize("prefetch, limit", [(0, 3), (1, 3), (2, 4)])
+def test_all_gathers_in_flight_are_limited_by_the_copy_out_chain(prefetch, limit):
+    """FSDP2's implicit rate limit: the all-gather streams wait for the copy-out of the unit before
+    the current one (``wait_for_unshard``), and a forward all-gather output lives until the next
+    unit's copy-out. With compute far slower than communication the outputs of the running unit
+    and of two units ahead are alive at once, however many layers there are; explicit forward
+    prefetch of 2 lets one more run ahead."""
+    s = make_scenario(
+        model={"preset": "llama2-7b", "n_layers": 8},
+        training={"micro_batch": 4, "seq_len": 4096},
+        parallel={"world_size": 8, "forward_prefetch": prefetch},
+        precision={"param_dtype": "bf16"},
+    )
+    r = simulate(s, make_profile(bus_bw_Bps=5e12))  # communication much faster than compute
+    assert r.report["collectives"]["all_gather"]["time_s"] < 0.1 * r.report["breakdown_s"]["compute"]
+    assert _max_live(r, "all_gather_output") == limit
