@@ -100,7 +100,7 @@ def build_report(
         "tokens_per_s": tokens / step_s,
         "tokens_per_s_per_gpu": tokens / step_s / k,
         "mfu": flops / (step_s * profile.device.peak_flops[scenario.param_dtype]),
-        "breakdown_s": rank_breakdown(table, 0, step_s),
+        "breakdown_s": figures[table.rank_of(0)]["breakdown_s"],
         "peak_memory_bytes": peak,
         "peak_memory_rank": worst,
         "memory_at_peak_bytes": curves[worst].at(curves[worst].peak_index()),
