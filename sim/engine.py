@@ -15,7 +15,7 @@ import simpy
 
 from sim.events import EventTable, MemoryCategory, MemoryRecord, OpKind, OpRecord, Stream
 from sim.program import Program, ProgramOp
-from sim.topology import Topology
+from sim.topology import GroupKind, Topology
 
 COMPUTE_KINDS = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.RECOMPUTE, OpKind.OPTIMIZER})
 
@@ -105,6 +105,7 @@ class Engine:
         self.done = {r: [self.env.event() for _ in program.ops] for r in self.ranks}
         self.live: dict[int, dict[str, tuple[MemoryCategory, int]]] = {r: {} for r in self.ranks}
         self.group_seq: dict[int, dict[object, int]] = {r: {} for r in self.ranks}
+        self.groups: dict[tuple[GroupKind, int], tuple[tuple[str, int], int, int]] = {}
 
     def run(self) -> EventTable:
         for rank in self.ranks:
@@ -137,13 +138,11 @@ class Engine:
                 self._alloc(rank, alloc.label, alloc.category, alloc.bytes)
             duration = self.duration(rank, op)
             if op.group is not None:
-                members = [m for m in self.topology.members(op.group, rank) if m in self.done]
-                gid = self.topology.group_id(op.group, rank)
+                gid, simulated_members, group_size = self._group(op.group, rank)
                 seq = self.group_seq[rank].get(gid, 0)
                 self.group_seq[rank][gid] = seq + 1
-                arrived = yield self.rendezvous.arrive((gid, seq), rank, len(members), duration)
+                arrived = yield self.rendezvous.arrive((gid, seq), rank, simulated_members, duration)
                 start = float(arrived)  # type: ignore[arg-type]
-                group_size = len(self.topology.members(op.group, rank))
             else:
                 start = float(ready)
                 if self.interference != 1.0 and op.stream is Stream.COMPUTE:
@@ -162,6 +161,15 @@ class Engine:
                 )
             )  # fmt: skip
             done[op.op_id].succeed()
+
+    def _group(self, kind: GroupKind, rank: int) -> tuple[tuple[str, int], int, int]:
+        """(group id, members that are simulated, group size) of ``rank``'s group of ``kind``."""
+        key = (kind, rank)
+        if key not in self.groups:
+            members = self.topology.members(kind, rank)
+            simulated = sum(1 for m in members if m in self.done)
+            self.groups[key] = (self.topology.group_id(kind, rank), simulated, len(members))
+        return self.groups[key]
 
     def _slowed_compute(self, rank: int, work_s: float) -> Generator[simpy.Event, object, None]:
         """Run ``work_s`` seconds of isolated compute, slower while a collective runs on this rank."""
