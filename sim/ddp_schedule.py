@@ -143,7 +143,7 @@ class DdpScheduleBuilder:
                 self.last_all_reduce = self.p.emit(
                     Stream.ALL_REDUCE, OpKind.ALL_REDUCE, f"all_reduce bucket {b}", cfg.segments[seg_index].unit,
                     mb, cfg.collective_s("all_reduce", nbytes, GroupKind.REPLICATE, cfg.reduce_dtype),
-                    deps=deps, group=GroupKind.REPLICATE, bytes=nbytes,
+                    deps=deps, group=GroupKind.REPLICATE, bytes=nbytes, host_async=True,
                 )  # fmt: skip
                 ops.append(self.last_all_reduce)
         return ops

@@ -117,12 +117,11 @@ class Engine:
         return self.table
 
     def _queues(self) -> list[list[ProgramOp]]:
-        """Ops per stream in issue order; one queue for everything when the backend is serial."""
-        if self.serial:
-            return [self.program.ops]
-        queues: dict[Stream, list[ProgramOp]] = {}
+        """Ops per stream in issue order. On a serial backend everything the host waits for shares
+        one queue; only ops the host issues asynchronously keep their own streams."""
+        queues: dict[Stream | None, list[ProgramOp]] = {}
         for op in self.program.ops:
-            queues.setdefault(op.stream, []).append(op)
+            queues.setdefault(None if self.serial and not op.host_async else op.stream, []).append(op)
         return list(queues.values())
 
     def _stream(self, rank: int, ops: list[ProgramOp]) -> Generator[simpy.Event, object, None]:

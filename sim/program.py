@@ -38,6 +38,9 @@ class ProgramOp:
     end_allocs: tuple[Alloc, ...] = ()
     group: GroupKind | None = None  # set for collectives
     bytes: int = 0  # nccl-tests size of a collective
+    # issued asynchronously by the host (DDP's reducer): it overlaps the host's work even on a
+    # backend whose blocking collectives serialise everything else (gloo)
+    host_async: bool = False
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Program:
         end_allocs: tuple[Alloc, ...] = (),
         group: GroupKind | None = None,
         bytes: int = 0,
+        host_async: bool = False,
     ) -> int:
         op = ProgramOp(
             len(self.ops),
@@ -75,6 +79,7 @@ class Program:
             end_allocs,
             group,
             bytes,
+            host_async,
         )
         self.ops.append(op)
         return op.op_id

@@ -76,3 +76,24 @@ def test_freeing_an_unknown_buffer_is_a_bug_not_a_silent_no_op():
     p.emit(Stream.COMPUTE, OpKind.FORWARD, "f", "u", 0, 1.0, frees=("never-allocated",))
     with pytest.raises(RuntimeError, match="never-allocated"):
         run_program(p, TWO_RANKS, Variability(), serial=False)
+
+
+def test_an_op_the_host_issues_asynchronously_overlaps_even_on_a_serial_backend():
+    """DDP's reducer launches its bucket all-reduces without blocking the host: on gloo they run
+    beside the backward pass, unlike FSDP2's blocking collectives."""
+    p = Program()
+    p.emit(Stream.COMPUTE, OpKind.BACKWARD, "b", "u", 0, 10.0)
+    p.emit(
+        Stream.ALL_REDUCE,
+        OpKind.ALL_REDUCE,
+        "ar",
+        "u",
+        0,
+        4.0,
+        group=GroupKind.SHARD,
+        bytes=1,
+        host_async=True,
+    )
+    p.emit(Stream.COMPUTE, OpKind.COPY, "c", "u", 0, 1.0, deps=(1,))
+    t = _times(run_program(p, TWO_RANKS, Variability(), serial=True))
+    assert t == {"b": (0.0, 10.0), "ar": (0.0, 4.0), "c": (10.0, 11.0)}
