@@ -133,6 +133,8 @@ class Engine:
             elif waiting:
                 yield self.env.all_of(waiting)
             ready = self.env.now
+            for label in op.start_frees:
+                self._free(rank, label)
             for alloc in op.allocs:
                 self._alloc(rank, alloc.label, alloc.category, alloc.bytes)
             duration = self.duration(rank, op)

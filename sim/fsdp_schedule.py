@@ -287,17 +287,19 @@ class FsdpScheduleBuilder:
         frees = list(self.unsharded_grads.pop(unit))
         if unit in self.unsharded:
             frees.append(self.unsharded.pop(unit))
-        deps = []
-        while self.rs_states:  # one reduce-scatter input in flight (set_reduce_scatter_max_input_buffers)
-            rs_op, rs_input = self.rs_states.pop(0)
+        deps, released = [], []
+        # one reduce-scatter input in flight (set_reduce_scatter_max_input_buffers): the compute
+        # stream waits for the previous reduce-scatter and drops its input before allocating this one
+        while self.rs_states:
+            rs_op, old_input = self.rs_states.pop(0)
             deps.append(rs_op)
-            frees.append(rs_input)
+            released.append(old_input)
         rs_input = self._label("reduce_scatter_input", unit, mb)
         copy_in = self._compute(
             OpKind.COPY, f"reduce_scatter copy-in {unit}", unit, mb,
             cfg.costs.copy_s(padded * max(cfg.param_bytes, cfg.reduce_bytes)),
-            deps=tuple(deps), allocs=(Alloc(rs_input, Mem.COMM_BUFFERS, padded * cfg.reduce_bytes),),
-            frees=tuple(frees),
+            deps=tuple(deps), start_frees=tuple(released),
+            allocs=(Alloc(rs_input, Mem.COMM_BUFFERS, padded * cfg.reduce_bytes),), frees=tuple(frees),
         )  # fmt: skip
         shard = padded // self.w
         allocs, output_frees = [], []

@@ -21,7 +21,8 @@ class Alloc:
 class ProgramOp:
     """One op. It starts when its stream has finished the previous op and its ``deps`` are done;
     a collective also waits until every rank of its group has reached it. ``allocs`` happen when
-    it becomes ready, ``frees`` when it ends (stream-ordered reuse in the caching allocator), then
+    it becomes ready (after ``start_frees``: buffers the host drops before issuing it), ``frees``
+    when it ends (stream-ordered reuse in the caching allocator), then
     ``end_allocs``: what the op leaves behind (the gradients a backward op produces) once its own
     temporaries are gone."""
 
@@ -36,6 +37,7 @@ class ProgramOp:
     allocs: tuple[Alloc, ...] = ()
     frees: tuple[str, ...] = ()
     end_allocs: tuple[Alloc, ...] = ()
+    start_frees: tuple[str, ...] = ()
     group: GroupKind | None = None  # set for collectives
     bytes: int = 0  # nccl-tests size of a collective
     # issued asynchronously by the host (DDP's reducer): it overlaps the host's work even on a
@@ -61,6 +63,7 @@ class Program:
         allocs: tuple[Alloc, ...] = (),
         frees: tuple[str, ...] = (),
         end_allocs: tuple[Alloc, ...] = (),
+        start_frees: tuple[str, ...] = (),
         group: GroupKind | None = None,
         bytes: int = 0,
         host_async: bool = False,
@@ -77,6 +80,7 @@ class Program:
             allocs,
             frees,
             end_allocs,
+            start_frees,
             group,
             bytes,
             host_async,
