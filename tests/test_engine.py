@@ -97,3 +97,43 @@ def test_an_op_the_host_issues_asynchronously_overlaps_even_on_a_serial_backend(
     p.emit(Stream.COMPUTE, OpKind.COPY, "c", "u", 0, 1.0, deps=(1,))
     t = _times(run_program(p, TWO_RANKS, Variability(), serial=True))
     assert t == {"b": (0.0, 10.0), "ar": (0.0, 4.0), "c": (10.0, 11.0)}
+
+
+def test_start_frees_release_before_the_op_allocates():
+    """FSDP2 drops the previous reduce-scatter input before allocating the next one: both never
+    count at once."""
+    p = Program()
+    p.emit(
+        Stream.COMPUTE,
+        OpKind.COPY,
+        "a",
+        "u",
+        0,
+        1.0,
+        allocs=(Alloc("old", MemoryCategory.COMM_BUFFERS, 100),),
+    )
+    p.emit(Stream.COMPUTE, OpKind.COPY, "b", "u", 0, 1.0, start_frees=("old",),
+           allocs=(Alloc("new", MemoryCategory.COMM_BUFFERS, 100),))  # fmt: skip
+    table = run_program(p, TWO_RANKS, Variability(), serial=False)
+    live = peak = 0
+    for m in table.memory_of(0):
+        live += m.delta_bytes
+        peak = max(peak, live)
+    assert peak == 100
+    assert [(m.time_s, m.delta_bytes, m.label) for m in table.memory_of(0)] == [
+        (0.0, 100, "old"), (1.0, -100, "old"), (1.0, 100, "new")
+    ]  # fmt: skip
+
+
+def test_schedule_never_holds_two_reduce_scatter_inputs_of_consecutive_units():
+    from simtest import make_scenario
+
+    from sim.simulate import simulate
+
+    r = simulate(make_scenario(model={"preset": "tiny", "n_layers": 4}, parallel={"world_size": 2}))
+    live = best = 0
+    for m in r.events.memory_of(0):
+        if m.label.startswith("reduce_scatter_input"):
+            live += 1 if m.delta_bytes > 0 else -1
+            best = max(best, live)
+    assert best == 1
