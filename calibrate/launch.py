@@ -26,7 +26,7 @@ class LaunchResult:
     message: str
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -55,7 +55,7 @@ def worker_env(rank: int, nproc: int, port: int, command: str) -> dict[str, str]
     return env
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -68,10 +68,26 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _describe(rank: int, code: int) -> str:
+def describe(rank: int, code: int) -> str:
     if code < 0:
         return f"rank {rank} was killed by signal {-code}"
     return f"rank {rank} exited with code {code}"
+
+
+def wait_all(procs: list[subprocess.Popen], deadline: float | None = None) -> list[tuple[int, int]]:
+    """Poll the ranks until all exit 0 (returns []) or some fail (returns their (rank, code)).
+
+    Raises TimeoutError once ``deadline`` (a ``time.monotonic()`` value) passes; stopping the
+    ranks is the caller's job.
+    """
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c is not None and c != 0]
+        if failed or all(c == 0 for c in codes):
+            return failed
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError
+        time.sleep(0.05)
 
 
 def launch(argv: list[str], nproc: int, command: str) -> LaunchResult:
@@ -79,20 +95,16 @@ def launch(argv: list[str], nproc: int, command: str) -> LaunchResult:
 
     ``command`` is the user's command line, recorded in the profile by the workers.
     """
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "calibrate", *argv]
     procs = [subprocess.Popen(cmd, env=worker_env(r, nproc, port, command)) for r in range(nproc)]
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                _stop(procs)
-                what = ", ".join(_describe(r, c) for r, c in failed if c is not None)
-                return LaunchResult(ok=False, message=f"{what}; no profile written")
-            if all(c == 0 for c in codes):
-                return LaunchResult(ok=True, message="")
-            time.sleep(0.05)
+        failed = wait_all(procs)
+        if failed:
+            stop(procs)
+            what = ", ".join(describe(r, c) for r, c in failed)
+            return LaunchResult(ok=False, message=f"{what}; no profile written")
+        return LaunchResult(ok=True, message="")
     except KeyboardInterrupt:
-        _stop(procs)
+        stop(procs)
         return LaunchResult(ok=False, message="interrupted; no profile written")

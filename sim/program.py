@@ -90,6 +90,3 @@ class Program:
 
     def add_frees(self, op_id: int, *labels: str) -> None:
         self.ops[op_id].frees += labels
-
-    def add_deps(self, op_id: int, *deps: int) -> None:
-        self.ops[op_id].deps += tuple(d for d in deps if d not in self.ops[op_id].deps)

@@ -104,13 +104,6 @@ def build_units(cfg: ModelConfig, wrap: WrapPolicy) -> tuple[WrapUnit, ...]:
     return (*units, WrapUnit(name=ROOT, prefix="", params=tuple(root)))
 
 
-def owner_of(module: str, units: Sequence[WrapUnit]) -> WrapUnit:
-    """The innermost unit whose module contains ``module`` (the root if none)."""
-    by_prefix = {u.prefix: u for u in units if not u.is_root}
-    owner = _innermost(module, set(by_prefix))
-    return by_prefix[owner] if owner is not None else units[-1]
-
-
 def build_segments(ops: Sequence[LayerOp], units: Sequence[WrapUnit]) -> list[Segment]:
     """Group consecutive ops with the same owner (and decoder layer) into segments."""
     segments: list[Segment] = []

@@ -7,7 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from calibrate.launch import _describe, _free_port, _stop, worker_env
+from calibrate.launch import describe, free_port, stop, wait_all, worker_env
 from sim.errors import UserError
 
 
@@ -15,7 +15,7 @@ def run_ranks(module: str, args: list[str], nproc: int, timeout_s: float) -> Non
     """Run ``python -m module *args`` as ``nproc`` ranks; raise UserError if one fails or hangs."""
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(nproc)]
-        port = _free_port()
+        port = free_port()
         command = f"python -m {module} {' '.join(args)}"
         procs = [
             subprocess.Popen(
@@ -27,26 +27,19 @@ def run_ranks(module: str, args: list[str], nproc: int, timeout_s: float) -> Non
             for r in range(nproc)
         ]
         try:
-            _wait(procs, logs, time.monotonic() + timeout_s, timeout_s)
+            failed = wait_all(procs, time.monotonic() + timeout_s)
+        except TimeoutError:
+            stop(procs)
+            raise UserError(f"real run did not finish within {timeout_s:.0f} s; stopped all ranks") from None
         except BaseException:
-            _stop(procs)
+            stop(procs)
             raise
-
-
-def _wait(procs: list[subprocess.Popen], logs: list, deadline: float, timeout_s: float) -> None:
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
+            stop(procs)
             rank, code = failed[0]
             logs[rank].seek(0)
             tail = logs[rank].read().decode(errors="replace").strip().splitlines()[-1:]
-            raise UserError(f"real run failed: {_describe(rank, code or 0)}: {' '.join(tail)}")
-        if all(c == 0 for c in codes):
-            return
-        if time.monotonic() > deadline:
-            raise UserError(f"real run did not finish within {timeout_s:.0f} s; stopped all ranks")
-        time.sleep(0.05)
+            raise UserError(f"real run failed: {describe(rank, code)}: {' '.join(tail)}")
 
 
 def run_real(spec: dict, nproc: int, timeout_s: float) -> list[dict]:
