@@ -134,7 +134,7 @@ def _report_curve(c: Curve, fam: GroupFamily) -> None:
 def launch_cost_s(curves: list[Curve]) -> float:
     """``backend.collective_launch_s``: the fastest median time of a smallest message on the world group."""
     world = [c for c in curves if c.source == "world group"] or curves
-    return min(c.points[0].time_s for c in world)
+    return min(c.points[0].median_s for c in world)
 
 
 def run_comm(req: CommRequest, env: RankEnv) -> None:
@@ -206,7 +206,7 @@ def _source(
         "method": (
             f"calibrate comm: torch.distributed {backend}, {env.world_size} ranks; per size {cfg.warmup} warm-up and "
             f"{cfg.min_iters}-{cfg.max_iters} timed iterations, each after a world barrier "
-            f"({'CUDA events' if device.type == 'cuda' else 'wall clock'}), max over ranks; time_s is the median; "
+            f"({'CUDA events' if device.type == 'cuda' else 'wall clock'}), max over ranks; time_s is the mean (median_s kept); "
             "algbw/busbw per nccl-tests doc/PERFORMANCE.md; fit t = latency_s + bytes*factor/bus_bw_Bps by "
             "least squares on relative residuals; device peak_flops are achieved matmul rates "
             "and hbm_bandwidth_Bps a STREAM-copy rate (read+write), both averaged over ranks measuring at once"

@@ -62,6 +62,9 @@ def compute_section(
     *,
     copy_Bps: float,
     optimizer_s_per_param: Mapping[str, float],
+    fsdp_optimizer_s_per_param: Mapping[str, float],
+    fsdp_unit_overhead_s: Mapping[str, float],
+    host_overhead_in_step: bool,
     slowdown: float,
 ) -> dict[str, Any]:
     return {
@@ -72,5 +75,8 @@ def compute_section(
         "units": {name: units[name].to_dict() for name in UNITS},
         "copy_Bps": copy_Bps,
         "optimizer_s_per_param": dict(optimizer_s_per_param),
+        "fsdp_optimizer_s_per_param": dict(fsdp_optimizer_s_per_param),
+        "fsdp_unit_overhead_s": dict(fsdp_unit_overhead_s),
+        "host_overhead_in_step": host_overhead_in_step,
         "compute_slowdown_during_collective": slowdown,
     }

@@ -18,17 +18,24 @@ TIME_FIELDS = ("forward_s", "backward_s", "recompute_s")
 
 
 def _measure(target: ComputeTarget, device: Any, reps: int) -> tuple[dict[str, UnitMeasure], dict[str, Any]]:
-    from calibrate import device_probe, overheads
+    from calibrate import context_timing, device_probe, fsdp_overhead, overheads
     from calibrate.layers import build_units
     from calibrate.unit_timing import measure_unit
 
     units = build_units(target, device)
-    measured = {
+    isolated = {
         name: measure_unit(units[name], device, reps, with_recompute=name == "block") for name in UNITS
     }
+    model_times = context_timing.model_times(target, device, reps)
+    measured, _ = context_timing.in_model(isolated, model_times)
     extra: dict[str, Any] = {
         "copy": overheads.copy_rates(target, device, max(reps, 20)),
         "optimizer_s_per_param": overheads.optimizer_s_per_param(target, device, max(reps, 10)),
+        "fsdp_optimizer_s_per_param": fsdp_overhead.dtensor_optimizer_s_per_param(target, device, reps),
+    }
+    extra |= {
+        "fsdp_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, extra["copy"]["copy_Bps"]),
+        "isolated": {f"{u}.{f}": getattr(isolated[u], f) for u in UNITS for f in TIME_FIELDS},
     }
     extra["slowdown"], extra["slowdown_raw"] = overheads.slowdown_during_collective(
         units["block"], device, reps
@@ -43,11 +50,18 @@ def _measure(target: ComputeTarget, device: Any, reps: int) -> tuple[dict[str, U
 def _averaged(measured: dict[str, UnitMeasure], extra: dict[str, Any], device: Any) -> dict[str, Any]:
     flat: dict[str, Any] = {f"{u}.{f}": getattr(measured[u], f) for u in UNITS for f in TIME_FIELDS}
     flat.update({"copy": extra["copy"], "optimizer": extra["optimizer_s_per_param"]})
+    flat.update(
+        fsdp_optimizer=extra["fsdp_optimizer_s_per_param"],
+        fsdp_unit_overhead=extra["fsdp_unit_overhead"],
+        isolated=extra["isolated"],
+    )
     flat.update(slowdown=extra["slowdown"], slowdown_raw=extra["slowdown_raw"])
     return mean_over_ranks(flat, device)
 
 
-def _section(target: ComputeTarget, measured: dict[str, UnitMeasure], avg: dict[str, Any]) -> dict[str, Any]:
+def _section(
+    target: ComputeTarget, measured: dict[str, UnitMeasure], avg: dict[str, Any], device: Any
+) -> dict[str, Any]:
     units = {
         u: UnitMeasure(
             **{f: avg[f"{u}.{f}"] for f in TIME_FIELDS},
@@ -62,6 +76,9 @@ def _section(target: ComputeTarget, measured: dict[str, UnitMeasure], avg: dict[
         units,
         copy_Bps=avg["copy"]["copy_Bps"],
         optimizer_s_per_param=avg["optimizer"],
+        fsdp_optimizer_s_per_param=avg["fsdp_optimizer"],
+        fsdp_unit_overhead_s={k: avg["fsdp_unit_overhead"][f"{k}_s"] for k in ("forward", "backward")},
+        host_overhead_in_step=device.type == "cpu",
         slowdown=max(1.0, avg["slowdown"]),
     )
 
@@ -70,12 +87,17 @@ def _source(target: ComputeTarget, env: RankEnv, backend: str, device: Any, avg:
     import torch
 
     from calibrate import device_probe
+    from calibrate.context_timing import DEPTHS
+    from calibrate.fsdp_overhead import CHAIN, TINY_SEQ
 
     return {
         "method": (
             f"calibrate compute: transformers {_hf_version()} LlamaDecoderLayer / Embedding / "
             f"RMSNorm+lm_head+ForCausalLMLoss with random weights on {device}, {env.world_size} rank(s) measuring at once; "
-            f"median of {reps} repetitions after a warm-up, averaged over ranks; recompute timed inside a "
+            f"mean of {reps} repetitions after a warm-up, averaged over ranks; forward/backward times taken inside "
+            f"plain LlamaForCausalLM models of {' and '.join(map(str, DEPTHS))} layers (block = their difference "
+            "per layer, embed + head = the rest, split as measured alone; recompute scaled like the block's "
+            "forward); recompute timed inside a "
             "non-reentrant torch.utils.checkpoint backward; saved bytes from saved_tensors_hooks (distinct "
             "storages, parameters excluded); transients = peak - allocated at return "
             + (
@@ -94,7 +116,19 @@ def _source(target: ComputeTarget, env: RankEnv, backend: str, device: Any, avg:
         "command": command,
         "wall_s": round(wall_s, 3),
         "copy_rates_Bps": avg["copy"],
-        "optimizer": "AdamW(foreach=True) and SGD(momentum=0.9, foreach=True) on fp32 shards",
+        "optimizer": "AdamW(foreach=True) and SGD(momentum=0.9, foreach=True) on fp32 shards: plain tensors "
+        "(optimizer_s_per_param, DDP) and DTensors Shard(0) on the world mesh (fsdp_optimizer_s_per_param)",
+        "units_alone": avg["isolated"],
+        "in_model_over_alone": {
+            f: avg[f"block.{f}"] / avg["isolated"][f"block.{f}"] for f in ("forward_s", "backward_s")
+        },
+        "fsdp_unit_overhead": avg["fsdp_unit_overhead"]
+        | {
+            "method": f"{CHAIN} decoder layers of the scenario's dimensions on {TINY_SEQ} tokens with one "
+            "fully_shard each plus the root on the world mesh, less their blocking collectives, less the same "
+            f"layers unwrapped, over {CHAIN}, less the modelled copies; added to the step only where the host "
+            "is the device (CPU)"
+        },
         "slowdown_raw": avg["slowdown_raw"],
         "slowdown_note": "1.0: one rank, no collective"
         if env.world_size < 2
@@ -132,7 +166,7 @@ def run_compute(
         dist.barrier()
         dog.disarm()
         if env.rank == 0:
-            section = _section(target, measured, avg)
+            section = _section(target, measured, avg, device)
             validate_compute_section(section, str(profile))
             doc = read_profile_dict(profile)
             doc["compute"] = section

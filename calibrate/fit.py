@@ -52,7 +52,7 @@ def fit_alpha_beta(wire: Sequence[float], times_s: Sequence[float]) -> tuple[flo
 
 
 def fit_curve(key: CurveKey, points: Sequence[Point]) -> LinkFit:
-    """α–β fit of one curve's medians, with its relative residuals against the raw points."""
+    """α–β fit of one curve's mean times, with its relative residuals against the raw points."""
     if key.group_size < 2:
         raise ValueError("a group of one rank moves no data; there is no bandwidth to fit")
     f = bus_factor(key.collective, key.group_size)

@@ -16,8 +16,9 @@ Two formats, both written by ``src/util.cu`` of nccl-tests:
 ``size`` is nccl-tests' size (all-gather output, reduce-scatter input, all-reduce buffer), the
 same as ours. Which result is used: out-of-place for all-gather and reduce-scatter (FSDP's
 collectives are out-of-place), in-place for all-reduce (torch's ``all_reduce`` is in-place);
-the other one when that is missing. nccl-tests reports one average time per size, so a point's
-median, min and max are that average unless per-iteration statistics are present.
+the other one when that is missing. nccl-tests reports one average time per size: that is the
+point's ``time_s`` (a mean, as ``calibrate comm`` records); its median, min and max are that
+average unless per-iteration statistics are present.
 """
 
 import json
@@ -47,7 +48,8 @@ _PREFERRED = {"all_gather": "out_of_place", "reduce_scatter": "out_of_place", "a
 class Row:
     size: int
     dtype_name: str
-    time_us: float
+    time_us: float  # the average over the iterations
+    median_us: float
     min_us: float
     max_us: float
     iters: int
@@ -123,7 +125,8 @@ def _json_row(r: dict[str, Any], collective: str, where: str, iters: int) -> Row
     return Row(
         size=int(r["size"]),
         dtype_name=str(r["type"]),
-        time_us=mid,
+        time_us=t,
+        median_us=mid,
         min_us=lo,
         max_us=hi,
         iters=int(r.get("actual_iterations", iters)),
@@ -185,6 +188,7 @@ def _text_row(tokens: list[str], columns: list[str], collective: str, iters: int
         size=int(tokens[0]),
         dtype_name=tokens[columns.index("type")],
         time_us=t,
+        median_us=t,
         min_us=per_iter.get("i_min", t),
         max_us=per_iter.get("i_max", t),
         iters=iters,
@@ -234,7 +238,7 @@ def parse_text(text: str, path: Path) -> NcclTestsRun:
 
 
 def curves_from_runs(runs: list[NcclTestsRun]) -> tuple[list[Curve], list[str]]:
-    """One curve per (collective, ranks, dtype, spans-nodes); repeated sizes keep their median.
+    """One curve per (collective, ranks, dtype, spans-nodes); repeated sizes are averaged.
 
     Returns the curves and a list of skipped row types (dtypes fsdp-sim does not model).
     """
@@ -268,7 +272,8 @@ def _point(size: int, rows: list[Row]) -> Point:
     wrongs = [r.wrong for r in rows if r.wrong is not None]
     return Point(
         bytes=size,
-        time_s=statistics.median(r.time_us for r in rows) * 1e-6,
+        time_s=sum(r.time_us * r.iters for r in rows) / sum(r.iters for r in rows) * 1e-6,
+        median_s=statistics.median(r.median_us for r in rows) * 1e-6,
         min_s=min(r.min_us for r in rows) * 1e-6,
         max_s=max(r.max_us for r in rows) * 1e-6,
         iters=sum(r.iters for r in rows),

@@ -37,7 +37,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_s(fn: Any, device: torch.device, reps: int) -> float:
+def _mean_s(fn: Any, device: torch.device, reps: int) -> float:
     fn()
     times = []
     for _ in range(reps):
@@ -46,7 +46,7 @@ def _median_s(fn: Any, device: torch.device, reps: int) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def copy_rates(target: ComputeTarget, device: torch.device, reps: int) -> dict[str, float]:
@@ -61,13 +61,11 @@ def copy_rates(target: ComputeTarget, device: torch.device, reps: int) -> dict[s
     grads = [torch.randn(s, device=device, dtype=dtype) for s in shapes]
     bytes_per = dtype.itemsize
     times = {
-        "all_gather_copy_in": _median_s(lambda: torch.cat(shards), device, reps),
-        "all_gather_copy_out": _median_s(
+        "all_gather_copy_in": _mean_s(lambda: torch.cat(shards), device, reps),
+        "all_gather_copy_out": _mean_s(
             lambda: torch.split_with_sizes_copy(gathered, shard, dim=1, out=outs), device, reps
         ),
-        "reduce_scatter_copy_in": _median_s(
-            lambda: torch._chunk_cat(grads, dim=0, num_chunks=w), device, reps
-        ),
+        "reduce_scatter_copy_in": _mean_s(lambda: torch._chunk_cat(grads, dim=0, num_chunks=w), device, reps),
     }
     payload = {
         "all_gather_copy_in": sum(shard) * bytes_per,
@@ -99,7 +97,7 @@ def optimizer_s_per_param(target: ComputeTarget, device: torch.device, reps: int
         ("adamw", torch.optim.AdamW(params, lr=1e-4, foreach=True)),
         ("sgd", torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)),
     ):
-        out[name] = _median_s(opt.step, device, reps) / total
+        out[name] = _mean_s(opt.step, device, reps) / total
     return out
 
 
@@ -141,7 +139,7 @@ def slowdown_during_collective(unit: Unit, device: torch.device, reps: int) -> t
         return 1.0, 1.0
     group = dist.new_group(ranks=list(range(dist.get_world_size())))
     buf = torch.zeros((256 << 20) // 4 if device.type == "cuda" else (16 << 20) // 4, device=device)
-    one = torch.tensor([_median_s(lambda: dist.all_reduce(buf, group=group), device, 3)], device=device)
+    one = torch.tensor([_mean_s(lambda: dist.all_reduce(buf, group=group), device, 3)], device=device)
     dist.all_reduce(one, op=dist.ReduceOp.MAX)
     count = max(3, math.ceil(SLOWDOWN_WINDOW_S / float(one.item())))
     start = time.perf_counter()

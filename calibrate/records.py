@@ -31,7 +31,8 @@ class Point:
     """
 
     bytes: int
-    time_s: float  # median
+    time_s: float  # mean: a step sums many calls, so its expected length sums the means
+    median_s: float
     min_s: float
     max_s: float
     iters: int
@@ -39,13 +40,14 @@ class Point:
 
     @property
     def spread(self) -> float:
-        """(max - min) / median: the relative spread of the timed iterations."""
+        """(max - min) / mean: the relative spread of the timed iterations."""
         return (self.max_s - self.min_s) / self.time_s
 
     def to_dict(self, key: CurveKey) -> dict[str, Any]:
         return {
             "bytes": self.bytes,
             "time_s": self.time_s,
+            "median_s": self.median_s,
             "min_s": self.min_s,
             "max_s": self.max_s,
             "spread": self.spread,
@@ -57,12 +59,17 @@ class Point:
 
 
 def point_from_times(size_bytes: int, times_s: list[float], wrong: int | None) -> Point:
-    """Summarise the per-iteration times of one size (median, min, max)."""
+    """Summarise the per-iteration times of one size (mean, median, min, max).
+
+    ``time_s`` is the mean, not the median: on a shared host a collective's time has a heavy tail
+    (a rank descheduled for a time slice), and a training step pays every call's tail, so the
+    expected step is the sum of the means."""
     if not times_s:
         raise ValueError("no timed iterations")
     return Point(
         bytes=size_bytes,
-        time_s=statistics.median(times_s),
+        time_s=statistics.fmean(times_s),
+        median_s=statistics.median(times_s),
         min_s=min(times_s),
         max_s=max(times_s),
         iters=len(times_s),

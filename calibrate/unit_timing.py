@@ -1,6 +1,7 @@
 """Forward, backward and recompute time of one unit, and its activation memory.
 
-Times are medians over ``reps`` repetitions after one warm-up; every repetition gets fresh
+Times are means over ``reps`` repetitions (a step sums the units' times, so its expected length
+sums their means) after one warm-up; every repetition gets fresh
 inputs and gradients set to None (FSDP2 frees unsharded gradients after each reduce-scatter, so
 each backward allocates them anew). On a GPU the device is synchronised around each timed
 region. Recompute is timed inside a real non-reentrant ``torch.utils.checkpoint`` backward,
@@ -50,7 +51,7 @@ def forward_s(unit: Unit, device: torch.device, reps: int) -> float:
     for _ in range(reps + 1):
         inputs = unit.make_inputs()
         times.append(_timed(partial(unit.run, *inputs), device))
-    return statistics.median(times[1:])
+    return statistics.fmean(times[1:])
 
 
 def backward_s(unit: Unit, device: torch.device, reps: int) -> float:
@@ -60,7 +61,7 @@ def backward_s(unit: Unit, device: torch.device, reps: int) -> float:
         grad = _grad_for(out)
         _clear_grads(unit)
         times.append(_timed(partial(out.backward, grad), device))
-    return statistics.median(times[1:])
+    return statistics.fmean(times[1:])
 
 
 def recompute_s(unit: Unit, device: torch.device, reps: int) -> float:
@@ -85,7 +86,7 @@ def recompute_s(unit: Unit, device: torch.device, reps: int) -> float:
         )
         _clear_grads(unit)
         out.backward(_grad_for(out))
-    return statistics.median(spent[1:])
+    return statistics.fmean(spent[1:])
 
 
 def memory(unit: Unit, device: torch.device) -> tuple[int, int, int]:

@@ -6,6 +6,8 @@ these systems, below the link's nominal rate; calibrate your own cluster for rea
 
 from typing import Any
 
+from sim.profile import SCHEMA_VERSION
+
 MiB = 1 << 20
 
 # NCCL on a GPU: collectives run on their own streams beside compute and need no staging copies;
@@ -20,7 +22,7 @@ NCCL_BACKEND: dict[str, Any] = {
 
 BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     "h100-sxm": {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "name": "h100-sxm",
         "calibrated": False,
         "source": {
@@ -52,7 +54,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         "collectives": [],
     },
     "a100-sxm-80g": {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "name": "a100-sxm-80g",
         "calibrated": False,
         "source": {

@@ -34,7 +34,7 @@ def alpha_beta_time_s(collective: str, size_bytes: int, group_size: int, link: L
 
 
 def _curve_time_s(curve: CollectiveCurve, size_bytes: int) -> float:
-    """Interpolate the measured medians in log-size/log-time; the α–β fit outside the range."""
+    """Interpolate the measured mean times in log-size/log-time; the α–β fit outside the range."""
     sizes = curve.sizes_bytes
     if size_bytes in sizes:
         return curve.times_s[sizes.index(size_bytes)]

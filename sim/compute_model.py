@@ -58,6 +58,10 @@ class ComputeCosts:
     hbm_bandwidth_Bps: float
     copy_Bps: float
     optimizer_s_per_element: float
+    # FSDP2's measured host work around each unit (hooks, DTensor, allocation), per unit and pass;
+    # zero unless the host is the device (on a GPU it runs ahead of the kernels)
+    fsdp_forward_overhead_s: float = 0.0
+    fsdp_backward_overhead_s: float = 0.0
     scales: Mapping[CalibrationGroup, GroupScale] = field(default_factory=dict)
     cache: dict[int, tuple[Segment, "SegmentFigures"]] = field(
         default_factory=dict, compare=False, repr=False
@@ -204,11 +208,13 @@ def build_compute_costs(
     param_dtype: str,
     optimizer: str,
     allow_scaling: bool = False,
+    fsdp: bool = True,
 ) -> ComputeCosts:
     """The cost model for ``param_dtype`` work on ``profile``, calibrated when the profile has a
     compute section. A section measured at other dimensions is refused, unless ``allow_scaling``:
     then each group's measured/analytic ratios, taken at the measured dimensions, scale the
-    analytic model at the scenario's."""
+    analytic model at the scenario's. ``fsdp`` picks the optimizer measured on FSDP2's DTensor
+    shards (else on plain tensors, as DDP holds them)."""
     where = f"profile {profile.name}"
     costs = _analytic_costs(profile, param_dtype, optimizer, where)
     compute = profile.compute
@@ -226,15 +232,18 @@ def build_compute_costs(
         group: _group_scale(measured_costs, _group_ops(measured_ops, group), units[group.value], where)
         for group in CalibrationGroup
     }
-    per_param = compute["optimizer_s_per_param"]
+    per_param = compute["fsdp_optimizer_s_per_param" if fsdp else "optimizer_s_per_param"]
     optimizer_s = (
         float(per_param.get(optimizer, costs.optimizer_s_per_element)) if optimizer != "none" else 0.0
     )
+    overhead = compute["fsdp_unit_overhead_s"] if compute["host_overhead_in_step"] else {}
     return ComputeCosts(
         peak_flops=costs.peak_flops,
         efficiency=costs.efficiency,
         hbm_bandwidth_Bps=costs.hbm_bandwidth_Bps,
         copy_Bps=float(compute["copy_Bps"]),
         optimizer_s_per_element=optimizer_s,
+        fsdp_forward_overhead_s=float(overhead.get("forward", 0.0)),
+        fsdp_backward_overhead_s=float(overhead.get("backward", 0.0)),
         scales=scales,
     )

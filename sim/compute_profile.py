@@ -8,7 +8,10 @@ Shape (read by ``sim.compute_model``)::
       "micro_batch": int, "seq_len": int, "param_dtype": "fp32" | "bf16",
       "units": {"embed": U, "block": U, "head": U},
       "copy_Bps": float,
-      "optimizer_s_per_param": {"adamw": float, "sgd": float},
+      "optimizer_s_per_param": {"adamw": float, "sgd": float},          # plain tensors (DDP)
+      "fsdp_optimizer_s_per_param": {"adamw": float, "sgd": float},     # DTensor shards (FSDP2)
+      "fsdp_unit_overhead_s": {"forward": float, "backward": float},    # FSDP2's host work per unit
+      "host_overhead_in_step": bool,   # true where the host is the device (CPU): the overhead adds up
       "compute_slowdown_during_collective": float
     }
     U = {forward_s, backward_s, recompute_s (block only, else 0), saved_activation_bytes,
@@ -16,6 +19,10 @@ Shape (read by ``sim.compute_model``)::
 
 ``head`` is the final RMSNorm, the lm_head and HF's causal-LM cross-entropy loss; ``embed`` is the
 token embedding (the rotary tables are not part of any unit; ``sim.layers`` models them).
+Unit times are means measured inside the real model (``calibrate.context_timing``); FSDP2's
+per-unit host overhead and its DTensor optimizer are measured with the real ``fully_shard``
+(``calibrate.fsdp_overhead``). On a GPU the host runs ahead of the device, so the host overhead
+is recorded but not added to the step (``host_overhead_in_step`` false).
 Transients are defined the way the simulator's memory ledger uses them: while a unit runs forward
 the ledger holds its saved activations plus ``forward_transient_bytes``, so that field is the
 unit's peak above what was allocated when it started, less its saved bytes; while it runs
@@ -58,6 +65,9 @@ def validate_compute_section(compute: Any, where: str) -> None:
         "units",
         "copy_Bps",
         "optimizer_s_per_param",
+        "fsdp_optimizer_s_per_param",
+        "fsdp_unit_overhead_s",
+        "host_overhead_in_step",
     ):
         if key not in compute:
             raise UserError(f"{where}: missing field compute.{key}")
@@ -68,8 +78,17 @@ def validate_compute_section(compute: Any, where: str) -> None:
         for f in UNIT_FIELDS:
             _number(units[unit].get(f), where, f"units.{unit}.{f}")
     _number(compute["copy_Bps"], where, "copy_Bps", minimum=1e-30)
-    for opt in ("adamw", "sgd"):
-        _number(compute["optimizer_s_per_param"].get(opt), where, f"optimizer_s_per_param.{opt}")
+    for table in ("optimizer_s_per_param", "fsdp_optimizer_s_per_param"):
+        if not isinstance(compute[table], Mapping):
+            raise UserError(f"{where}: field compute.{table} must be a JSON object")
+        for opt in ("adamw", "sgd"):
+            _number(compute[table].get(opt), where, f"{table}.{opt}")
+    if not isinstance(compute["fsdp_unit_overhead_s"], Mapping):
+        raise UserError(f"{where}: field compute.fsdp_unit_overhead_s must be a JSON object")
+    for phase in ("forward", "backward"):
+        _number(compute["fsdp_unit_overhead_s"].get(phase), where, f"fsdp_unit_overhead_s.{phase}")
+    if not isinstance(compute["host_overhead_in_step"], bool):
+        raise UserError(f"{where}: field compute.host_overhead_in_step must be true or false")
     _number(
         compute.get("compute_slowdown_during_collective", 1.0),
         where,

@@ -152,8 +152,10 @@ class FsdpScheduleBuilder:
             frees.append(out)
         nbytes = self._padded(unit) * self.cfg.param_bytes
         params = self._label("unsharded_params", unit, mb)
+        # FSDP2's per-unit host work in forward rides on the pre-forward copy-out
+        host_s = self.cfg.costs.fsdp_forward_overhead_s if forward else 0.0
         copy_out = self._compute(
-            OpKind.COPY, f"all_gather copy-out {unit}", unit, mb, self.cfg.costs.copy_s(nbytes),
+            OpKind.COPY, f"all_gather copy-out {unit}", unit, mb, self.cfg.costs.copy_s(nbytes) + host_s,
             deps=(ag_op,), allocs=(Alloc(params, Mem.PARAMS, nbytes),), frees=tuple(frees),
         )  # fmt: skip
         if forward:
@@ -297,7 +299,8 @@ class FsdpScheduleBuilder:
         rs_input = self._label("reduce_scatter_input", unit, mb)
         copy_in = self._compute(
             OpKind.COPY, f"reduce_scatter copy-in {unit}", unit, mb,
-            cfg.costs.copy_s(padded * max(cfg.param_bytes, cfg.reduce_bytes)),
+            # FSDP2's per-unit host work in backward (pre-backward unshard, post-backward reduce)
+            cfg.costs.copy_s(padded * max(cfg.param_bytes, cfg.reduce_bytes)) + cfg.costs.fsdp_backward_overhead_s,
             deps=tuple(deps), start_frees=tuple(released),
             allocs=(Alloc(rs_input, Mem.COMM_BUFFERS, padded * cfg.reduce_bytes),), frees=tuple(frees),
         )  # fmt: skip

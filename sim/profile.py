@@ -13,7 +13,7 @@ from typing import Any
 from sim.dtypes import canonical_dtype
 from sim.errors import UserError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 BACKENDS = ("nccl", "gloo")
 ATTENTION_KERNELS = ("flash", "math")
@@ -32,7 +32,7 @@ class CollectiveCurve:
     """Measured time against message size for one (collective, group size, dtype, spans-nodes).
 
     ``sizes_bytes`` is nccl-tests' "size": the all-gather output, the reduce-scatter input,
-    the all-reduce buffer. ``times_s`` are medians. ``fit`` is used outside the measured range.
+    the all-reduce buffer. ``times_s`` are means over the timed iterations. ``fit`` is used outside the measured range.
     """
 
     collective: str

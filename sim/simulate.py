@@ -52,6 +52,7 @@ def build_step(
         profile, ops, model=model, micro_batch=training.micro_batch, seq_len=training.seq_len,
         param_dtype=scenario.param_dtype, optimizer=scenario.optimizer.name.value,
         allow_scaling=scenario.cluster.compute_scaling,
+        fsdp=parallel.strategy is not Strategy.NO_SHARD,
     )  # fmt: skip
     gpus_per_node = scenario.cluster.gpus_per_node or profile.gpus_per_node
     topology = Topology(

@@ -90,5 +90,11 @@ def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, fact
             "adamw": costs.optimizer_s_per_element,
             "sgd": costs.optimizer_s_per_element,
         },
+        "fsdp_optimizer_s_per_param": {
+            "adamw": costs.optimizer_s_per_element,
+            "sgd": costs.optimizer_s_per_element,
+        },
+        "fsdp_unit_overhead_s": {"forward": 0.0, "backward": 0.0},
+        "host_overhead_in_step": False,
         "compute_slowdown_during_collective": 1.0,
     }

@@ -56,7 +56,7 @@ def test_wire_bytes_turn_busbw_back_into_time() -> None:
 
 def test_point_json_carries_both_bandwidths_and_the_spread() -> None:
     key = CurveKey(collective="all_gather", group_size=4, dtype="bf16", spans_nodes=False)
-    p = Point(bytes=4096, time_s=2e-5, min_s=1e-5, max_s=4e-5, iters=7, wrong=0).to_dict(key)
+    p = Point(bytes=4096, time_s=2e-5, median_s=2e-5, min_s=1e-5, max_s=4e-5, iters=7, wrong=0).to_dict(key)
     assert p["algbw_Bps"] == pytest.approx(4096 / 2e-5)
     assert p["busbw_Bps"] == pytest.approx(4096 / 2e-5 * 3 / 4)
     assert p["spread"] == pytest.approx(1.5)
@@ -67,3 +67,16 @@ def test_point_json_carries_both_bandwidths_and_the_spread() -> None:
 def test_unknown_collective_or_empty_group_is_refused(bad: tuple[str, int]) -> None:
     with pytest.raises(ValueError):
         bus_factor(*bad)
+
+
+def test_a_point_keeps_the_mean_because_a_step_pays_every_tail() -> None:
+    from calibrate.records import point_from_times
+
+    # nine quick calls and one descheduled for a 10 ms time slice
+    p = point_from_times(1024, [1e-3] * 9 + [11e-3], wrong=0)
+    assert p.time_s == pytest.approx(2e-3)
+    assert p.median_s == pytest.approx(1e-3)
+    assert (p.min_s, p.max_s, p.iters) == (1e-3, 11e-3, 10)
+    assert p.to_dict(CurveKey(collective="all_gather", group_size=2, dtype="fp32", spans_nodes=False))[
+        "median_s"
+    ] == pytest.approx(1e-3)

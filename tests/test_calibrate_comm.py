@@ -12,7 +12,7 @@ from calibrate.cli import main, parse_size
 from calibrate.groups import plan_group_families
 from calibrate.sweep_plan import CPU_DEFAULTS, SweepConfig, iters_for, sizes_for
 from sim.errors import UserError
-from sim.profile import load_profile
+from sim.profile import SCHEMA_VERSION, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--max-bytes", "64K", "--iters", "3", "--max-iters", "5", "--warmup", "1"]
@@ -120,9 +120,9 @@ def test_a_corrupted_or_wrong_version_profile_is_refused(measured: Path, tmp_pat
     doc = json.loads(measured.read_text())
     bad = tmp_path / "bad.json"
     if edit == "version":
-        doc["schema_version"] = 2
+        doc["schema_version"] = SCHEMA_VERSION + 1
         bad.write_text(json.dumps(doc))
-        match = "schema_version 2 is not supported"
+        match = f"schema_version {SCHEMA_VERSION + 1} is not supported"
     elif edit == "truncate":
         bad.write_text(measured.read_text()[:300])
         match = "not a valid JSON profile"

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,8 +68,23 @@ def test_tiny_end_to_end_adds_a_compute_section(calibrated: Path) -> None:
         and c["optimizer_s_per_param"]["sgd"] > 0
     )
     assert c["compute_slowdown_during_collective"] >= 1.0
+    # FSDP2's own costs, measured with the real fully_shard: DTensor optimizer, per-unit host work
+    assert c["fsdp_optimizer_s_per_param"]["adamw"] > 0 and c["fsdp_optimizer_s_per_param"]["sgd"] > 0
+    assert c["fsdp_unit_overhead_s"]["forward"] >= 0 and c["fsdp_unit_overhead_s"]["backward"] >= 0
+    assert c["host_overhead_in_step"] is True  # the host is the device on a CPU
     src = json.loads(calibrated.read_text())["source"]["compute"]
     assert src["world_size"] == 2 and src["attention_kernel"].startswith("aten.")
+    overhead = src["fsdp_unit_overhead"]
+    for phase in ("forward", "backward"):
+        assert overhead[f"{phase}_s"] == max(0.0, overhead[f"{phase}_raw_s"])
+    # the units' times come from whole models; the isolated ones are kept beside them
+    assert set(src["units_alone"]) == {f"{u}.{f}" for u in ("embed", "block", "head")
+                                       for f in ("forward_s", "backward_s", "recompute_s")}  # fmt: skip
+    ratio = src["in_model_over_alone"]
+    for phase in ("forward_s", "backward_s"):
+        assert c["units"]["block"][phase] == pytest.approx(
+            ratio[phase] * src["units_alone"][f"block.{phase}"]
+        )
 
 
 def test_measured_bytes_cover_the_tensors_that_must_be_saved(calibrated: Path) -> None:
@@ -207,3 +223,34 @@ def test_gpu_compute_of_the_tiny_preset(tmp_path: Path) -> None:
     c = load_profile(str(path)).compute
     assert c is not None and c["units"]["block"]["forward_s"] > 0
     assert json.loads(path.read_text())["source"]["compute"]["backend"] == "nccl"
+
+
+def _unit(forward: float, backward: float, recompute: float = 0.0) -> Any:
+    from calibrate.compute import UnitMeasure
+
+    return UnitMeasure(forward_s=forward, backward_s=backward, recompute_s=recompute, saved_activation_bytes=7,
+                       forward_transient_bytes=5, backward_transient_bytes=3)  # fmt: skip
+
+
+def test_in_model_times_are_the_depth_difference_and_the_rest_split_as_measured_alone() -> None:
+    from calibrate.context_timing import in_model
+
+    alone = {"embed": _unit(1.0, 2.0), "block": _unit(10.0, 20.0, 9.0), "head": _unit(3.0, 6.0)}
+    # 1 layer: 15 / 30; 3 layers: 39 / 78 -> a layer is 12 / 24, the ends 3 / 6
+    units, ratio = in_model(alone, {1: (15.0, 30.0), 3: (39.0, 78.0)})
+    assert (units["block"].forward_s, units["block"].backward_s) == pytest.approx((12.0, 24.0))
+    assert units["block"].recompute_s == pytest.approx(9.0 * 1.2)  # scaled like the forward
+    assert (units["embed"].forward_s, units["head"].forward_s) == pytest.approx((0.75, 2.25))
+    assert (units["embed"].backward_s, units["head"].backward_s) == pytest.approx((1.5, 4.5))
+    assert ratio == pytest.approx({"forward_s": 1.2, "backward_s": 1.2})
+    assert all(units[u].saved_activation_bytes == 7 for u in units)  # memory stays as measured alone
+
+
+def test_in_model_keeps_the_isolated_times_when_noise_swamps_the_difference() -> None:
+    from calibrate.context_timing import in_model
+
+    alone = {"embed": _unit(1.0, 2.0), "block": _unit(10.0, 20.0, 9.0), "head": _unit(3.0, 6.0)}
+    units, ratio = in_model(alone, {1: (15.0, 30.0), 3: (14.0, 78.0)})  # deeper model faster: noise
+    assert units["block"].forward_s == 10.0 and units["embed"].forward_s == 1.0
+    assert units["block"].backward_s == pytest.approx(24.0)
+    assert ratio["forward_s"] == 1.0 and units["block"].recompute_s == 9.0

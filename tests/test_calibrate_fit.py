@@ -16,7 +16,7 @@ def _points(key: CurveKey, alpha: float, bw: float, noise: float = 0.0, seed: in
     out = []
     for s in SIZES:
         t = (alpha + s * f / bw) * (1 + noise * rng.uniform(-1, 1))
-        out.append(Point(bytes=s, time_s=t, min_s=t, max_s=t, iters=10, wrong=0))
+        out.append(Point(bytes=s, time_s=t, median_s=t, min_s=t, max_s=t, iters=10, wrong=0))
     return out
 
 
@@ -52,4 +52,4 @@ def test_times_through_the_origin_pin_latency_at_zero() -> None:
 def test_a_group_of_one_rank_has_no_bandwidth_to_fit() -> None:
     key = CurveKey(collective="all_gather", group_size=1, dtype="fp32", spans_nodes=False)
     with pytest.raises(ValueError):
-        fit_curve(key, [Point(bytes=4, time_s=1e-6, min_s=1e-6, max_s=1e-6, iters=1, wrong=0)])
+        fit_curve(key, [Point(bytes=4, time_s=1e-6, median_s=1e-6, min_s=1e-6, max_s=1e-6, iters=1, wrong=0)])

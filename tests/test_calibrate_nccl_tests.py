@@ -39,6 +39,10 @@ def test_json_format() -> None:
     assert run.rows[0].size == 1024 and run.rows[0].dtype_name == "bfloat16"
     doc = json.loads(RS_JSON.read_text())
     assert run.rows[-1].time_us == doc["results"][-1]["out_of_place"]["time"]
+    # time_us is nccl-tests' average (a mean, like calibrate comm's time_s); without -I per-iteration
+    # statistics the median is that average too
+    assert "out_of_place_per_iter" not in doc["results"][-1]
+    assert run.rows[-1].median_us == run.rows[-1].time_us
 
 
 @pytest.mark.parametrize("path", [AG_TEXT, AR_TEXT])

@@ -56,3 +56,56 @@ def test_scaling_carries_the_measured_to_analytic_ratio_to_new_dimensions():
     assert _durations(scaled, OpKind.BACKWARD) == pytest.approx(
         [2 * d for d in _durations(analytic, OpKind.BACKWARD)], rel=1e-9
     )
+
+
+def _copy_ops(result):
+    ops = [o for o in result.events.ops_of(0) if o.kind is OpKind.COPY]
+    out = [o for o in ops if o.name.startswith("all_gather copy-out")]
+    rs_in = [o for o in ops if o.name.startswith("reduce_scatter copy-in")]
+    return out, rs_in
+
+
+@pytest.mark.parametrize("in_step", [True, False])
+def test_fsdp_host_overhead_is_charged_once_per_unit_and_pass_only_where_the_host_is_the_device(in_step):
+    s = make_scenario(model={"preset": "tiny", "n_layers": 3})
+    profile = make_profile()
+    section = synthetic_compute_section(s, profile, 1.0)
+    base = simulate(s, _with_compute(profile, section))
+    section = section | {
+        "fsdp_unit_overhead_s": {"forward": 1e-3, "backward": 3e-3},
+        "host_overhead_in_step": in_step,
+    }
+    loaded = simulate(s, _with_compute(profile, section))
+    (out0, rs0), (out1, rs1) = _copy_ops(base), _copy_ops(loaded)
+    units = 4  # three blocks and the root
+    assert len(rs1) == units
+    pairs = sorted(zip(out0, out1, strict=True), key=lambda p: p[0].start_s)
+    forward_outs, backward_outs = pairs[:units], pairs[units:]  # forward gathers each unit once, first
+    assert len(backward_outs) == units - 1  # backward re-gathers the blocks, not the root
+    fwd_extra = sum(b.duration_s - a.duration_s for a, b in forward_outs)
+    bwd_extra = sum(b.duration_s - a.duration_s for a, b in zip(rs0, rs1, strict=True))
+    assert fwd_extra == pytest.approx(units * 1e-3 if in_step else 0.0, abs=1e-12)
+    assert bwd_extra == pytest.approx(units * 3e-3 if in_step else 0.0, abs=1e-12)
+    # backward's re-gathers carry no forward overhead
+    assert all(b.duration_s == pytest.approx(a.duration_s) for a, b in backward_outs)
+
+
+def test_fsdp_steps_the_optimizer_measured_on_dtensors_and_ddp_the_plain_one():
+    profile = make_profile()
+    fsdp_s = make_scenario(model={"preset": "tiny", "n_layers": 3})
+    ddp_s = make_scenario(model={"preset": "tiny", "n_layers": 3}, parallel={"strategy": "NO_SHARD"})
+    section = synthetic_compute_section(fsdp_s, profile, 1.0) | {
+        "optimizer_s_per_param": {"adamw": 1e-9, "sgd": 1e-9},
+        "fsdp_optimizer_s_per_param": {"adamw": 3e-9, "sgd": 3e-9},
+    }
+
+    def optimizer_op(scenario):
+        result = simulate(scenario, _with_compute(profile, section))
+        (op,) = [o for o in result.events.ops_of(0) if o.kind is OpKind.OPTIMIZER]
+        return op.duration_s
+
+    from sim.model import n_params
+
+    n = n_params(fsdp_s.model)
+    assert optimizer_op(ddp_s) == pytest.approx(n * 1e-9)
+    assert optimizer_op(fsdp_s) == pytest.approx(3e-9 * n / 2, rel=0.01)  # shards of 2 ranks, padded

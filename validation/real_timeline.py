@@ -6,57 +6,14 @@ of each phase (forward, backward, optimizer) is compute and FSDP's own work. On 
 runs ahead of the device, so this timeline would show launch times: it is recorded on CPU only.
 """
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
 from sim.events import EventTable, OpKind, OpRecord, Stream
 from sim.intervals import difference
 
-# torch.distributed function -> (collective, position and keyword of the tensor whose size is
-# nccl-tests' size: the all-gather output, the reduce-scatter input, the all-reduce buffer).
-# FSDP2 in torch 2.13 calls the *_single names; older releases the *_tensor ones.
-TIMED = {
-    "all_gather_single": ("all_gather", 0, "output_tensor"),
-    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
-    "reduce_scatter_single": ("reduce_scatter", 1, "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
-    "all_reduce": ("all_reduce", 0, "tensor"),
-}
 STREAMS = {
     "all_gather": Stream.ALL_GATHER,
     "reduce_scatter": Stream.REDUCE_SCATTER,
     "all_reduce": Stream.ALL_REDUCE,
 }
-
-
-@contextmanager
-def timed_collectives(records: list[tuple[str, float, float, int]]) -> Iterator[None]:
-    """Append (collective, start, end, bytes) for every blocking collective called inside."""
-    import torch.distributed as dist
-
-    originals = {name: getattr(dist, name) for name in TIMED if hasattr(dist, name)}
-
-    def wrap(name: str) -> Any:
-        collective, index, keyword = TIMED[name]
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            result = originals[name](*args, **kwargs)
-            tensor = args[index] if len(args) > index else kwargs[keyword]
-            records.append((collective, start, time.perf_counter(), tensor.numel() * tensor.element_size()))
-            return result
-
-        return timed
-
-    try:
-        for name in originals:
-            setattr(dist, name, wrap(name))
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def timeline_table(

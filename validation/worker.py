@@ -177,7 +177,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     memory = _peak_memory(trainer, spec["warmup"] + spec["steps"] + 2)
     timeline: dict[str, Any] = {}
     if trainer.device.type == "cpu":  # host timestamps are the step's timeline only when collectives block
-        from validation.real_timeline import timed_collectives
+        from calibrate.collective_timer import timed_collectives
 
         records: list[tuple[str, float, float, int]] = []
         dist.barrier()

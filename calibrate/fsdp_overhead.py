@@ -1,0 +1,189 @@
+"""What FSDP2 itself costs on the host, measured with the real ``fully_shard``.
+
+- Per-unit overhead: FSDP2's hooks, DTensor bookkeeping, buffer allocation (fresh pages on a
+  CPU) and stream/event handling around every unit in forward and backward. It depends on the
+  unit's parameters, not on the batch, so it is measured on ``CHAIN`` decoder layers of the
+  scenario's dimensions run on a batch of ``TINY_SEQ`` tokens, where compute is small: the layers
+  wrapped one ``fully_shard`` per layer plus the root on the calibration's world mesh, against
+  the same layers unwrapped, in interleaved repetitions. The wrapped time less its collectives
+  (timed around each blocking call, so a late rank's wait goes too), less the plain time, over
+  ``CHAIN``, less the copies the simulator charges separately (all-gather copy-in and copy-out,
+  reduce-scatter copy-in, at the measured copy rate), is the overhead of one unit. On a GPU the
+  host runs ahead of the device and the collectives do not block it, so nothing is subtracted
+  but the copies, and the figure is recorded only.
+- Optimizer on FSDP2's parameters: FSDP2 keeps each sharded parameter as a DTensor, and
+  ``AdamW(foreach=True)`` pays DTensor's dispatch on every foreach call. It is timed on the
+  scenario's parameter shards as DTensors (``Shard(0)`` on the calibration's world mesh).
+"""
+
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from calibrate.compute import ComputeTarget
+from calibrate.sweep import TORCH_DTYPES
+from sim.model import ModelConfig, layer_params, param_specs
+
+CHAIN = 4  # wrapped layers
+TINY_SEQ = 8
+OPTIMIZER_ELEMENTS = 32 << 20
+
+
+def world_mesh(device: torch.device) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.group.WORLD
+    assert group is not None, "the process group is initialised before calibrating"
+    return DeviceMesh.from_group(group, device.type)
+
+
+class _Chain(torch.nn.Module):
+    """``CHAIN`` decoder layers called as ``LlamaModel`` calls them."""
+
+    def __init__(self, model: ModelConfig, device: torch.device, dtype: torch.dtype):
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        from calibrate.hf_llama import llama_config
+
+        super().__init__()
+        torch.manual_seed(0)
+        config = llama_config(model, TINY_SEQ, n_layers=CHAIN)
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(CHAIN))
+        self.to(device=device, dtype=dtype)
+        self.position_ids = torch.arange(TINY_SEQ, device=device).unsqueeze(0)
+        with torch.no_grad():
+            rotary = LlamaRotaryEmbedding(config=config).to(device)
+            self.cos_sin = rotary(torch.empty(1, device=device, dtype=dtype), self.position_ids)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer(
+                h, attention_mask=None, position_ids=self.position_ids, position_embeddings=self.cos_sin
+            )
+        return h
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _step(
+    chain: torch.nn.Module, hidden: int, device: torch.device, dtype: torch.dtype
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one step, blocking collectives left out on a CPU."""
+    from calibrate.collective_timer import timed_collectives
+
+    x = torch.randn(1, TINY_SEQ, hidden, device=device, dtype=dtype, requires_grad=True)
+    records: list[tuple[str, float, float, int]] = []
+    with timed_collectives(records):
+        t0 = _sync(device)
+        loss = chain(x).float().sum()
+        t1 = _sync(device)
+        loss.backward()
+        t2 = _sync(device)
+    for p in chain.parameters():
+        p.grad = None
+    if device.type == "cuda":
+        return t1 - t0, t2 - t1
+    forward_comm = sum(e - s for _, s, e, _ in records if e <= t1)
+    backward_comm = sum(e - s for _, s, e, _ in records if s >= t1)
+    return t1 - t0 - forward_comm, t2 - t1 - backward_comm
+
+
+def _copy_bytes(model: ModelConfig, world: int, param_bytes: int) -> tuple[int, int]:
+    """Bytes of the copies the simulator charges one layer (``sim.fsdp_schedule``) in forward and
+    in backward (fp32 shards, fp32 reduction, resharded after forward)."""
+    padded = sum(
+        math.ceil(p.shape[0] / world) * world * math.prod(p.shape[1:]) for p in layer_params(model, 0)
+    )
+    all_gather = padded // world * max(param_bytes, 4) + padded * param_bytes  # copy-in + copy-out
+    return all_gather, all_gather + padded * max(param_bytes, 4)  # + reduce-scatter copy-in
+
+
+def unit_overhead(
+    target: ComputeTarget, device: torch.device, reps: int, copy_Bps: float
+) -> dict[str, float]:
+    """Seconds FSDP2 adds per unit in forward and in backward beyond the modelled copies (>= 0),
+    and the raw figures before that floor."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    compute = TORCH_DTYPES[target.param_dtype]
+    plain = _Chain(target.model, device, compute)
+    wrapped = _Chain(target.model, device, torch.float32)  # FSDP2 keeps fp32 shards and casts for compute
+    mesh = world_mesh(device)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    for layer in wrapped.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(wrapped, mesh=mesh, mp_policy=policy)
+    samples: dict[str, list[tuple[float, float]]] = {"plain": [], "fsdp": []}
+    rounds = max(reps, 10)
+    for rep in range(rounds + 2):  # two warm-up rounds: FSDP2's lazy init runs in the first
+        for name, chain in (("plain", plain), ("fsdp", wrapped)):
+            times = _step(chain, target.model.hidden, device, compute)
+            if rep >= 2:
+                samples[name].append(times)
+    copies = _copy_bytes(target.model, mesh.size(), compute.itemsize)
+    out: dict[str, float] = {}
+    for index, phase in enumerate(("forward", "backward")):
+        extra = statistics.fmean(t[index] for t in samples["fsdp"]) - statistics.fmean(
+            t[index] for t in samples["plain"]
+        )
+        out[f"{phase}_raw_s"] = extra / CHAIN - copies[index] / copy_Bps
+        out[f"{phase}_s"] = max(0.0, out[f"{phase}_raw_s"])
+    return out
+
+
+def dtensor_optimizer_s_per_param(target: ComputeTarget, device: torch.device, reps: int) -> dict[str, float]:
+    """Seconds per parameter element of one optimizer step over the scenario's fp32 shards held
+    as DTensors, as FSDP2 holds them."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = world_mesh(device)
+    w = target.world_size
+    shapes = [(math.ceil(s.shape[0] / w), *s.shape[1:]) for s in param_specs(target.model)]
+    chosen: list[tuple[int, ...]] = []
+    total = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        if chosen and total + n > OPTIMIZER_ELEMENTS:
+            break
+        chosen.append(shape)
+        total += n
+    params = []
+    for shape in chosen:
+        local = torch.randn(shape, device=device)
+        full = torch.Size((shape[0] * mesh.size(), *shape[1:]))
+        dt = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=full, stride=_contiguous(full)
+        )
+        p = torch.nn.Parameter(dt)
+        p.grad = DTensor.from_local(torch.randn(shape, device=device), mesh, [Shard(0)], run_check=False,
+                                    shape=full, stride=_contiguous(full))  # fmt: skip
+        params.append(p)
+    out = {}
+    for name, opt in (
+        ("adamw", torch.optim.AdamW(params, lr=1e-4, foreach=True)),
+        ("sgd", torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)),
+    ):
+        opt.step()
+        times = []
+        for _ in range(max(reps, 10)):
+            t0 = _sync(device)
+            opt.step()
+            times.append(_sync(device) - t0)
+        out[name] = statistics.fmean(times) / total
+    return out
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
