@@ -12,6 +12,10 @@ It replays what ``torch.distributed.fsdp.fully_shard`` does on the host, in host
   (and, for HSDP, all-reduces across replicas). Units whose input is the token ids, and the
   root, reduce in the final callback, which also makes the compute stream wait for every reduction.
 Collectives of one process group run one at a time in issue order, as on one NCCL communicator.
+On a one-rank shard group (``world_size == 1``, or HYBRID_SHARD with ``shard_group_size = 1``)
+FSDP2 issues neither all-gather nor reduce-scatter: ``wait_for_unshard`` copies each sharded
+parameter into its unsharded storage, and ``foreach_reduce`` copies the reduce-scatter input into
+its output (``_fsdp_param_group.py`` / ``_fsdp_collectives.py``, ``world_size == 1``).
 """
 
 from typing import Any
@@ -107,7 +111,8 @@ class FsdpScheduleBuilder:
 
     def _reset_microbatch(self) -> None:
         self.unsharded: dict[str, str] = {}  # unit -> label of its unsharded parameters
-        self.pending: dict[str, tuple[int, str]] = {}  # unit -> (all-gather op, output label)
+        # unit -> (all-gather op, output label); (None, None) where no all-gather runs (one rank)
+        self.pending: dict[str, tuple[int | None, str | None]] = {}
         self.ag_wait: int | None = None  # copy-out the all-gather streams wait for
         self.deferred: tuple[str, int] | None = None  # previous forward all-gather output, its copy-out
         self.rs_states: list[tuple[int, str]] = []
@@ -120,6 +125,9 @@ class FsdpScheduleBuilder:
 
     def _unshard(self, unit: str, mb: int) -> None:
         if unit in self.unsharded or unit in self.pending:
+            return
+        if self.w == 1:  # no all-gather: the copy happens in wait_for_unshard
+            self.pending[unit] = (None, None)
             return
         cfg, padded = self.cfg, self._padded(unit)
         out = self._label("all_gather_output", unit, mb)
@@ -143,25 +151,28 @@ class FsdpScheduleBuilder:
         if unit not in self.pending:
             return
         ag_op, out = self.pending.pop(unit)
-        frees = []
+        frees: list[str] = []
         if forward and self.deferred is not None:
             frees.append(self.deferred[0])
             self.ag_wait = self.deferred[1]
             self.deferred = None
-        if not forward:
+        if not forward and out is not None:
             frees.append(out)
         nbytes = self._padded(unit) * self.cfg.param_bytes
         params = self._label("unsharded_params", unit, mb)
         # FSDP2's per-unit host work in forward rides on the pre-forward copy-out
         host_s = self.cfg.costs.fsdp_forward_overhead_s if forward else 0.0
+        name = f"all_gather copy-out {unit}" if ag_op is not None else f"unshard copy {unit}"
         copy_out = self._compute(
-            OpKind.COPY, f"all_gather copy-out {unit}", unit, mb, self.cfg.costs.copy_s(nbytes) + host_s,
-            deps=(ag_op,), allocs=(Alloc(params, Mem.PARAMS, nbytes),), frees=tuple(frees),
+            OpKind.COPY, name, unit, mb, self.cfg.costs.copy_s(nbytes) + host_s,
+            deps=(ag_op,) if ag_op is not None else (), allocs=(Alloc(params, Mem.PARAMS, nbytes),),
+            frees=tuple(frees),
         )  # fmt: skip
-        if forward:
-            self.deferred = (out, copy_out)
-        else:
-            self.ag_wait = copy_out
+        if out is not None:
+            if forward:
+                self.deferred = (out, copy_out)
+            else:
+                self.ag_wait = copy_out
         self.unsharded[unit] = params
 
     def _reshard(self, unit: str, at_op: int) -> None:
@@ -297,13 +308,9 @@ class FsdpScheduleBuilder:
             deps.append(rs_op)
             released.append(old_input)
         rs_input = self._label("reduce_scatter_input", unit, mb)
-        copy_in = self._compute(
-            OpKind.COPY, f"reduce_scatter copy-in {unit}", unit, mb,
-            # FSDP2's per-unit host work in backward (pre-backward unshard, post-backward reduce)
-            cfg.costs.copy_s(padded * max(cfg.param_bytes, cfg.reduce_bytes)) + cfg.costs.fsdp_backward_overhead_s,
-            deps=tuple(deps), start_frees=tuple(released),
-            allocs=(Alloc(rs_input, Mem.COMM_BUFFERS, padded * cfg.reduce_bytes),), frees=tuple(frees),
-        )  # fmt: skip
+        copy_in_s = cfg.costs.copy_s(padded * max(cfg.param_bytes, cfg.reduce_bytes))
+        # FSDP2's per-unit host work in backward (pre-backward unshard, post-backward reduce)
+        copy_in_s += cfg.costs.fsdp_backward_overhead_s
         shard = padded // self.w
         allocs, output_frees = [], []
         if mb == 0:
@@ -314,11 +321,22 @@ class FsdpScheduleBuilder:
             out = self._label("reduce_scatter_output", unit, mb)
             allocs.append(Alloc(out, Mem.COMM_BUFFERS, shard * cfg.reduce_bytes))
             output_frees.append(out)
-        rs = self._collective(
-            OpKind.REDUCE_SCATTER, Stream.REDUCE_SCATTER, unit, mb, padded * cfg.reduce_bytes, GroupKind.SHARD,
-            cfg.reduce_dtype, deps=(copy_in,), allocs=tuple(allocs),
-            frees=() if cfg.hybrid else tuple(output_frees),
+        copy_in = self._compute(
+            OpKind.COPY, f"reduce_scatter copy-in {unit}", unit, mb, copy_in_s,
+            deps=tuple(deps), start_frees=tuple(released),
+            allocs=(Alloc(rs_input, Mem.COMM_BUFFERS, padded * cfg.reduce_bytes),), frees=tuple(frees),
         )  # fmt: skip
+        if self.w == 1:  # no reduce-scatter: the input is copied into the output
+            rs = self._compute(
+                OpKind.COPY, f"reduce copy {unit}", unit, mb, cfg.costs.copy_s(padded * cfg.reduce_bytes),
+                deps=(copy_in,), allocs=tuple(allocs), frees=() if cfg.hybrid else tuple(output_frees),
+            )  # fmt: skip
+        else:
+            rs = self._collective(
+                OpKind.REDUCE_SCATTER, Stream.REDUCE_SCATTER, unit, mb, padded * cfg.reduce_bytes, GroupKind.SHARD,
+                cfg.reduce_dtype, deps=(copy_in,), allocs=tuple(allocs),
+                frees=() if cfg.hybrid else tuple(output_frees),
+            )  # fmt: skip
         last = rs
         if cfg.hybrid:
             last = self._collective(

@@ -224,3 +224,33 @@ def test_all_gathers_in_flight_are_limited_by_the_copy_out_chain(prefetch, limit
     r = simulate(s, make_profile(bus_bw_Bps=5e12))  # communication much faster than compute
     assert r.report["collectives"]["all_gather"]["time_s"] < 0.1 * r.report["breakdown_s"]["compute"]
     assert _max_live(r, "all_gather_output") == limit
+
+
+@pytest.mark.parametrize(
+    ("parallel", "all_reduces"),
+    [
+        ({"world_size": 1, "strategy": "FULL_SHARD"}, 0),
+        ({"world_size": 2, "strategy": "HYBRID_SHARD", "shard_group_size": 1}, 2),
+    ],
+)
+def test_a_one_rank_shard_group_copies_instead_of_gathering_and_scattering(parallel, all_reduces):
+    """FSDP2 skips both collectives when the shard group has one rank (world_size == 1 paths of
+    _fsdp_param_group.wait_for_unshard and foreach_reduce): each unshard is one copy, each
+    reduction a copy-in and a copy into the output."""
+    s = make_scenario(model=ONE_LAYER, parallel=parallel, cluster={"gpus_per_node": 1})
+    r = simulate(s, make_profile(overlap=False))
+    ops = sorted(r.events.ops_of(0), key=lambda o: (o.start_s, o.op_id))
+    kinds = [o.kind for o in ops]
+    assert OpKind.ALL_GATHER not in kinds and OpKind.REDUCE_SCATTER not in kinds
+    assert len([o for o in ops if o.kind is OpKind.ALL_REDUCE]) == all_reduces
+    unshards = [o for o in ops if o.name.startswith("unshard copy")]
+    assert [o.unit for o in unshards] == [ROOT, "model.layers.0", "model.layers.0"]  # forward x2, backward x1
+    reduces = [o for o in ops if o.name.startswith("reduce copy")]
+    assert sorted(o.unit for o in reduces) == sorted([ROOT, "model.layers.0"])
+    for red in reduces:  # each reduction copies after its unit's copy-in
+        copy_in = next(o for o in ops if o.name == f"reduce_scatter copy-in {red.unit}")
+        assert red.start_s >= copy_in.end_s
+    # nothing is staged for a collective that does not run: only the reduce-scatter inputs
+    # (and, for HSDP, nothing else) are communication buffers
+    labels = {m.label.split(":")[0] for m in r.events.memory_of(0) if m.category.value == "comm_buffers"}
+    assert labels == {"reduce_scatter_input"}

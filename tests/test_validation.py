@@ -104,3 +104,13 @@ def test_simulated_phases_split_where_the_real_timers_split() -> None:
     assert phases["forward"] + phases["backward"] + phases["optimizer"] == pytest.approx(
         r.report["step_time_s"], rel=1e-9
     )
+
+
+def test_real_hsdp_run_on_a_two_dimensional_mesh_matches_the_simulation(cpu_profile: Path) -> None:
+    """HYBRID_SHARD with one-rank shard groups: FSDP2 runs on a (replicate 2, shard 1) mesh, skips
+    the all-gathers and reduce-scatters and all-reduces the gradients across replicas."""
+    result = _validate(cpu_profile, "parallel.strategy=HYBRID_SHARD", "parallel.shard_group_size=1")
+    assert result["collectives_match"], result["collectives"]
+    assert {c["collective"] for c in result["collectives"]} == {"all_reduce"}
+    peak = _row(result, "peak memory")
+    assert abs(peak["error"]) <= 0.05, peak
