@@ -114,3 +114,16 @@ def test_real_hsdp_run_on_a_two_dimensional_mesh_matches_the_simulation(cpu_prof
     assert {c["collective"] for c in result["collectives"]} == {"all_reduce"}
     peak = _row(result, "peak memory")
     assert abs(peak["error"]) <= 0.05, peak
+
+
+def test_collective_waits_split_each_call_at_the_last_arrival() -> None:
+    from validation.compare import collective_waits
+
+    r0 = [("all_gather", 0.0, 5.0, 8), ("reduce_scatter", 10.0, 12.0, 8)]
+    r1 = [("all_gather", 2.0, 5.0, 8), ("reduce_scatter", 9.0, 12.0, 8)]  # late first, early second
+    ranks = [{"timeline": {"collectives": r0}}, {"timeline": {"collectives": r1}}]
+    assert collective_waits(ranks) == (3.0 + 2.0, 2.0 + 0.0)
+    assert collective_waits([{"timeline": {}}, {"timeline": {}}]) is None  # GPU or DDP: no host timeline
+    assert (
+        collective_waits([{"timeline": {"collectives": r0}}, {"timeline": {"collectives": r1[:1]}}]) is None
+    )

@@ -59,6 +59,30 @@ def measured_step(ranks: list[dict[str, Any]]) -> dict[str, float]:
     return {"median": statistics.median(per_step), "min": min(per_step), "max": max(per_step)}
 
 
+def collective_waits(ranks: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """(collective time, wait for the late rank) of rank 0 in the step every rank timed on the
+    host (``timeline``, CPU runs): each collective counts from the last rank's arrival to rank
+    0's end; the wait is from rank 0's arrival to the last rank's. None without such timelines
+    (a GPU run, or DDP, whose reducer calls the backend below ``torch.distributed``)."""
+    records = [r.get("timeline", {}).get("collectives") or [] for r in ranks]
+    if not records[0] or any(len(r) != len(records[0]) for r in records):
+        return None
+    busy = wait = 0.0
+    for calls in zip(*records, strict=True):
+        last_arrival = max(start for _, start, _, _ in calls)
+        _, start, end, _ = calls[0]
+        busy += end - last_arrival
+        wait += last_arrival - start
+    return busy, wait
+
+
+def simulated_waits(table: EventTable, rank: int = 0) -> tuple[float, float]:
+    """The same two figures for a simulated rank: collective durations, and their waits (start
+    after ready: the late rank, or the previous collective of the same group)."""
+    ops = [o for o in table.ops_of(rank) if o.kind.is_collective]
+    return sum(o.end_s - o.start_s for o in ops), sum(o.start_s - o.ready_s for o in ops)
+
+
 def compare(report: dict[str, Any], table: EventTable, ranks: list[dict[str, Any]]) -> Comparison:
     out = Comparison(measured_step_s=measured_step(ranks))
     out.rows.append(Row("step time", report["step_time_s"], out.measured_step_s["median"], "s"))
@@ -66,6 +90,11 @@ def compare(report: dict[str, Any], table: EventTable, ranks: list[dict[str, Any
     for phase in PHASES:
         measured = max(r["phases_s"][phase] for r in ranks)
         out.rows.append(Row(f"{phase}", predicted_phases[phase], measured, "s"))
+    measured_waits = collective_waits(ranks)
+    if measured_waits is not None:  # one timed step, so noisier than the medians above
+        predicted_waits = simulated_waits(table)
+        out.rows.append(Row("collectives, one step", predicted_waits[0], measured_waits[0], "s"))
+        out.rows.append(Row("wait for the late rank, one step", predicted_waits[1], measured_waits[1], "s"))
     peak_rank = max(ranks, key=lambda r: r["memory_peak"]["total"])["memory_peak"]
     out.rows.append(Row("peak memory", report["peak_memory_bytes"], peak_rank["total"], "B"))
     if "cuda_max_allocated" in peak_rank:  # on a GPU: the caching allocator's own peak as well

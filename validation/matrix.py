@@ -22,6 +22,8 @@ MATRIX: list[tuple[str, list[str]]] = [
     ("5m FULL_SHARD block fp32 checkpointing", ["checkpointing.mode=full"]),
     ("5m FULL_SHARD block fp32 forward prefetch 1", ["parallel.forward_prefetch=1"]),
     ("5m FULL_SHARD block bf16", ["precision.param_dtype=bf16"]),
+    # a 2-D (replicate 2, shard 1) mesh: FSDP2 skips the one-rank collectives and all-reduces
+    ("5m HYBRID_SHARD 2x1 fp32", ["parallel.strategy=HYBRID_SHARD", "parallel.shard_group_size=1"]),
     ("34m FULL_SHARD block fp32", ["model.preset=llama-34m"]),
     # bf16 matmuls run ~20x slower than fp32 on this CPU (no native bf16), so the larger model
     # is validated in fp32
