@@ -127,3 +127,24 @@ def test_collective_waits_split_each_call_at_the_last_arrival() -> None:
     assert (
         collective_waits([{"timeline": {"collectives": r0}}, {"timeline": {"collectives": r1[:1]}}]) is None
     )
+
+
+def test_the_matrix_quotes_medians_over_interleaved_rounds() -> None:
+    from validation.compare import Comparison, Row
+    from validation.matrix import median_comparison
+
+    def run(pred: float, meas: float, match: bool) -> Comparison:
+        return Comparison(
+            rows=[Row("step time", pred, meas, "s"), Row("peak memory", 100.0, 101.0, "B")],
+            collectives=[
+                {"collective": "all_gather", "predicted_count": 9, "measured_count": 9, "match": match}
+            ],
+            measured_step_s={"median": meas, "min": meas - 1, "max": meas + 1},
+        )
+
+    combined = median_comparison([run(1.0, 10.0, True), run(3.0, 30.0, True), run(2.0, 14.0, False)])
+    assert (combined.rows[0].predicted, combined.rows[0].measured) == (2.0, 14.0)
+    assert combined.error("peak memory") == pytest.approx(-1 / 101)
+    assert combined.measured_step_s == {"median": 14.0, "min": 9.0, "max": 31.0}
+    assert not combined.collectives_match  # one round's mismatch is a mismatch
+    assert median_comparison([run(1.0, 10.0, True)]).collectives_match

@@ -1,5 +1,11 @@
 """The validation matrix behind ``make validate``: configurations run for real and simulated,
-summarised in VALIDATION.md with the machine, versions, every prediction, measurement and error."""
+summarised in VALIDATION.md with the machine, versions, every prediction, measurement and error.
+
+A shared host drifts by more than a configuration's error over minutes, so the matrix runs in
+``ROUNDS`` interleaved rounds: each round recalibrates the collectives, then for every
+configuration calibrates its compute and runs it for real right after. Every figure is the
+median over rounds, of the predictions and of the measurements alike; each prediction uses only
+calibrations taken before its own real run."""
 
 import datetime
 import os
@@ -9,9 +15,10 @@ import tempfile
 from pathlib import Path
 
 from sim.io import write_text_atomic
-from validation.compare import Comparison, format_markdown
+from validation.compare import Comparison, Row, format_markdown
 
 BASE = "scenarios/validate-cpu.toml"
+ROUNDS = 3
 
 # (name, overrides): strategies, wrap policies, checkpointing, prefetch, dtypes, two model sizes
 MATRIX: list[tuple[str, list[str]]] = [
@@ -86,36 +93,70 @@ def _summary(results: list[tuple[str, Comparison]]) -> list[str]:
     return lines
 
 
-def run_matrix(*, out: str, steps: int, warmup: int, nproc: int) -> list[tuple[str, Comparison]]:
-    """Every configuration of MATRIX for real on ``nproc`` ranks, then MEMORY_MATRIX in fake mode;
-    ``out`` is rewritten after each configuration, so a stopped run keeps what it has."""
+def median_comparison(rounds: list[Comparison]) -> Comparison:
+    """One comparison from several rounds of the same configuration: each row's prediction and
+    measurement are their medians over rounds; the collectives match only if every round's did."""
+    first = rounds[0]
+    rows = [
+        Row(row.metric, statistics.median(c.rows[i].predicted for c in rounds),
+            statistics.median(c.rows[i].measured for c in rounds), row.unit)
+        for i, row in enumerate(first.rows)
+    ]  # fmt: skip
+    collectives = [
+        dict(c, match=all(r.collectives[i]["match"] for r in rounds)) for i, c in enumerate(first.collectives)
+    ]
+    steps = [c.measured_step_s for c in rounds]
+    measured_step_s = {
+        "median": statistics.median(s["median"] for s in steps),
+        "min": min(s["min"] for s in steps),
+        "max": max(s["max"] for s in steps),
+    }
+    return Comparison(rows=rows, collectives=collectives, measured_step_s=measured_step_s)
+
+
+def run_matrix(
+    *, out: str, steps: int, warmup: int, nproc: int, rounds: int = ROUNDS
+) -> list[tuple[str, Comparison]]:
+    """Every configuration of MATRIX for real on ``nproc`` ranks in ``rounds`` interleaved rounds,
+    then MEMORY_MATRIX in fake mode; ``out`` is rewritten after each run, so a stopped run keeps
+    what it has."""
     from calibrate.cli import main as calibrate_main
     from sim.errors import UserError
     from validation.cli import calibrated_profile, validate_one
     from validation.memory_only import validate_memory_only
 
+    runs: list[list[Comparison]] = [[] for _ in MATRIX]
     results: list[tuple[str, Comparison]] = []
     memory: list[tuple[str, Comparison]] = []
     with tempfile.TemporaryDirectory(prefix="fsdpsim-matrix-") as tmp:
-        comm = Path(tmp) / "comm.json"
-        if calibrate_main(["comm", "--nproc", str(nproc), "--out", str(comm), "--max-bytes", "16M"]) != 0:
-            raise UserError("calibrating the collectives failed")
-        for i, (name, overrides) in enumerate(MATRIX):
-            print(f"[{i + 1}/{len(MATRIX)}] {name}", flush=True)
-            folder = Path(tmp) / f"config{i}"
-            folder.mkdir()
-            sets = [*overrides, f"parallel.world_size={nproc}"]
-            profile = calibrated_profile(BASE, sets, nproc, folder, str(comm))
-            comparison = validate_one(
-                BASE, overrides, nproc=nproc, steps=steps, warmup=warmup, profile=profile, timeout_s=1800
-            ).comparison
-            results.append((name, comparison))
-            write_text_atomic(out, _document(results, memory, steps, warmup, nproc))
+        for rnd in range(rounds):
+            comm = Path(tmp) / f"comm{rnd}.json"
+            if calibrate_main(["comm", "--nproc", str(nproc), "--out", str(comm), "--max-bytes", "16M"]) != 0:
+                raise UserError("calibrating the collectives failed")
+            for i, (name, overrides) in enumerate(MATRIX):
+                print(f"[round {rnd + 1}/{rounds}, {i + 1}/{len(MATRIX)}] {name}", flush=True)
+                folder = Path(tmp) / f"round{rnd}-config{i}"
+                folder.mkdir()
+                sets = [*overrides, f"parallel.world_size={nproc}"]
+                profile = calibrated_profile(BASE, sets, nproc, folder, str(comm))
+                runs[i].append(
+                    validate_one(
+                        BASE,
+                        overrides,
+                        nproc=nproc,
+                        steps=steps,
+                        warmup=warmup,
+                        profile=profile,
+                        timeout_s=1800,
+                    ).comparison
+                )
+                results = [(MATRIX[j][0], median_comparison(r)) for j, r in enumerate(runs) if r]
+                write_text_atomic(out, _document(results, memory, steps, warmup, nproc, rnd + 1))
     for i, (name, overrides) in enumerate(MEMORY_MATRIX):
         print(f"[memory {i + 1}/{len(MEMORY_MATRIX)}] {name}", flush=True)
         comparison, _ = validate_memory_only(MEMORY_BASE, overrides, timeout_s=1800)
         memory.append((name, comparison))
-        write_text_atomic(out, _document(results, memory, steps, warmup, nproc))
+        write_text_atomic(out, _document(results, memory, steps, warmup, nproc, rounds))
     return results
 
 
@@ -146,10 +187,13 @@ def _document(
     steps: int,
     warmup: int,
     nproc: int,
+    rounds: int,
 ) -> str:
     text = ["# Validation: fsdp-sim against real FSDP2 runs", "", *_machine(nproc), "",
-            f"`make validate` ({steps} timed steps after {warmup} warm-up, {nproc} ranks; base `{BASE}`; "
-            "each configuration simulated with a profile calibrated on this machine for its own dimensions).", "",
+            f"`make validate` ({steps} timed steps after {warmup} warm-up, {nproc} ranks; base `{BASE}`). "
+            f"{rounds} interleaved round(s): each recalibrates the collectives, then calibrates every configuration's "
+            "compute for its own dimensions and runs it for real right after. Every figure below is the median "
+            "over rounds (the min and max of a measured step are over all rounds).", "",
             "## Summary", "", *_summary(results), ""]  # fmt: skip
     if memory:
         text += ["## Memory at scale (`fsdpsim validate --memory-only`)", "",
