@@ -68,6 +68,9 @@ def test_real_fsdp2_run_matches_the_simulation(
     assert abs(peak["error"]) <= 0.05, peak
     step = _row(result, "step time")
     assert step["measured"] > 0 and step["predicted"] > 0
+    # every collective was a timed blocking call, so the rank-skew rows are there
+    assert _row(result, "collectives, one step")["measured"] > 0
+    assert _row(result, "wait for the late rank, one step")["measured"] >= 0
     assert result["measured_step_s"]["min"] <= step["measured"] <= result["measured_step_s"]["max"]
 
 
