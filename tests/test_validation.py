@@ -151,3 +151,16 @@ def test_the_matrix_quotes_medians_over_interleaved_rounds() -> None:
     assert combined.measured_step_s == {"median": 14.0, "min": 9.0, "max": 31.0}
     assert not combined.collectives_match  # one round's mismatch is a mismatch
     assert median_comparison([run(1.0, 10.0, True)]).collectives_match
+
+
+def test_medians_pair_rows_by_metric_and_leave_out_a_row_some_round_lacks() -> None:
+    from validation.compare import Comparison, Row
+    from validation.matrix import median_comparison
+
+    a = Comparison(rows=[Row("step time", 1.0, 2.0, "s"), Row("wait", 0.0, 1.0, "s"), Row("peak memory", 5.0, 5.0, "B")],
+                   measured_step_s={"median": 2.0, "min": 2.0, "max": 2.0})  # fmt: skip
+    b = Comparison(rows=[Row("step time", 3.0, 4.0, "s"), Row("peak memory", 7.0, 7.0, "B")],
+                   measured_step_s={"median": 4.0, "min": 4.0, "max": 4.0})  # fmt: skip
+    combined = median_comparison([a, b])
+    assert [r.metric for r in combined.rows] == ["step time", "peak memory"]
+    assert (combined.rows[1].predicted, combined.rows[1].measured) == (6.0, 6.0)

@@ -81,7 +81,7 @@ def validate_one(
 ) -> "Validation":
     """Run for real, simulate with a calibrated profile, and compare."""
     from sim.profile import load_profile
-    from sim.scenario import load_scenario
+    from sim.scenario import Strategy, load_scenario
     from sim.simulate import simulate
     from validation.compare import compare
     from validation.launch import run_real
@@ -95,7 +95,8 @@ def validate_one(
         result = simulate(scenario)
     spec = {"scenario": scenario_path, "overrides": overrides, "steps": steps, "warmup": warmup}
     ranks = run_real(spec, nproc, timeout_s)
-    return Validation(result, ranks, compare(result.report, result.events, ranks))
+    fsdp = scenario.parallel.strategy is not Strategy.NO_SHARD
+    return Validation(result, ranks, compare(result.report, result.events, ranks, fsdp=fsdp))
 
 
 def main(argv: list[str]) -> int:

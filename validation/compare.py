@@ -83,18 +83,20 @@ def simulated_waits(table: EventTable, rank: int = 0) -> tuple[float, float]:
     return sum(o.end_s - o.start_s for o in ops), sum(o.start_s - o.ready_s for o in ops)
 
 
-def compare(report: dict[str, Any], table: EventTable, ranks: list[dict[str, Any]]) -> Comparison:
+def compare(
+    report: dict[str, Any], table: EventTable, ranks: list[dict[str, Any]], *, fsdp: bool = True
+) -> Comparison:
+    """``fsdp``: FSDP2 issues every collective through ``torch.distributed`` (timed on the host);
+    DDP's reducer does not, so a DDP run gets no rank-skew rows."""
     out = Comparison(measured_step_s=measured_step(ranks))
     out.rows.append(Row("step time", report["step_time_s"], out.measured_step_s["median"], "s"))
     predicted_phases = simulated_phases(table)
     for phase in PHASES:
         measured = max(r["phases_s"][phase] for r in ranks)
         out.rows.append(Row(f"{phase}", predicted_phases[phase], measured, "s"))
-    measured_waits = collective_waits(ranks)
+    measured_waits = collective_waits(ranks) if fsdp else None
     simulated_count = sum(1 for o in table.ops_of(0) if o.kind.is_collective)
     timed_count = len(ranks[0].get("timeline", {}).get("collectives") or [])
-    # only where every simulated collective was a timed blocking call: DDP's reducer all-reduces
-    # below torch.distributed, so its timeline holds only stray calls (a buffer sync)
     if measured_waits is not None and timed_count == simulated_count:  # one step: noisier than the medians
         predicted_waits = simulated_waits(table)
         out.rows.append(Row("collectives, one step", predicted_waits[0], measured_waits[0], "s"))

@@ -97,10 +97,12 @@ def median_comparison(rounds: list[Comparison]) -> Comparison:
     """One comparison from several rounds of the same configuration: each row's prediction and
     measurement are their medians over rounds; the collectives match only if every round's did."""
     first = rounds[0]
+    by_metric = [{r.metric: r for r in c.rows} for c in rounds]
     rows = [
-        Row(row.metric, statistics.median(c.rows[i].predicted for c in rounds),
-            statistics.median(c.rows[i].measured for c in rounds), row.unit)
-        for i, row in enumerate(first.rows)
+        Row(row.metric, statistics.median(m[row.metric].predicted for m in by_metric),
+            statistics.median(m[row.metric].measured for m in by_metric), row.unit)
+        for row in first.rows
+        if all(row.metric in m for m in by_metric)  # a row some round lacks is left out
     ]  # fmt: skip
     collectives = [
         dict(c, match=all(r.collectives[i]["match"] for r in rounds)) for i, c in enumerate(first.collectives)
