@@ -31,7 +31,9 @@ def _measure(target: ComputeTarget, device: Any, reps: int) -> tuple[dict[str, U
     extra: dict[str, Any] = {
         "copy": overheads.copy_rates(target, device, max(reps, 20)),
         "optimizer_s_per_param": overheads.optimizer_s_per_param(target, device, max(reps, 10)),
-        "fsdp_optimizer_s_per_param": fsdp_overhead.dtensor_optimizer_s_per_param(target, device, reps),
+        "fsdp_optimizer_s_per_param": fsdp_overhead.dtensor_optimizer_s_per_param(
+            target, device, max(reps, 10)
+        ),
     }
     extra |= {
         "fsdp_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, extra["copy"]["copy_Bps"]),

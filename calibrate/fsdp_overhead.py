@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from calibrate.compute import ComputeTarget
+from calibrate.overheads import optimizer_shard_shapes, optimizer_step_s_per_param
 from calibrate.sweep import TORCH_DTYPES
-from sim.model import ModelConfig, layer_params, param_specs
+from sim.model import ModelConfig, layer_params
 
 CHAIN = 4  # wrapped layers
 TINY_SEQ = 8
-OPTIMIZER_ELEMENTS = 32 << 20
 
 
 def world_mesh(device: torch.device) -> Any:
@@ -145,18 +145,8 @@ def dtensor_optimizer_s_per_param(target: ComputeTarget, device: torch.device, r
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = world_mesh(device)
-    w = target.world_size
-    shapes = [(math.ceil(s.shape[0] / w), *s.shape[1:]) for s in param_specs(target.model)]
-    chosen: list[tuple[int, ...]] = []
-    total = 0
-    for shape in shapes:
-        n = math.prod(shape)
-        if chosen and total + n > OPTIMIZER_ELEMENTS:
-            break
-        chosen.append(shape)
-        total += n
     params = []
-    for shape in chosen:
+    for shape in optimizer_shard_shapes(target):
         local = torch.randn(shape, device=device)
         full = torch.Size((shape[0] * mesh.size(), *shape[1:]))
         dt = DTensor.from_local(
@@ -166,19 +156,7 @@ def dtensor_optimizer_s_per_param(target: ComputeTarget, device: torch.device, r
         p.grad = DTensor.from_local(torch.randn(shape, device=device), mesh, [Shard(0)], run_check=False,
                                     shape=full, stride=_contiguous(full))  # fmt: skip
         params.append(p)
-    out = {}
-    for name, opt in (
-        ("adamw", torch.optim.AdamW(params, lr=1e-4, foreach=True)),
-        ("sgd", torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)),
-    ):
-        opt.step()
-        times = []
-        for _ in range(max(reps, 10)):
-            t0 = _sync(device)
-            opt.step()
-            times.append(_sync(device) - t0)
-        out[name] = statistics.fmean(times) / total
-    return out
+    return optimizer_step_s_per_param(params, device, reps)
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:

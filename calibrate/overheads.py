@@ -77,21 +77,30 @@ def copy_rates(target: ComputeTarget, device: torch.device, reps: int) -> dict[s
     return rates
 
 
-def optimizer_s_per_param(target: ComputeTarget, device: torch.device, reps: int) -> dict[str, float]:
-    """Seconds per parameter element of one optimizer step over fp32 shards."""
+def optimizer_shard_shapes(target: ComputeTarget) -> list[tuple[int, ...]]:
+    """The scenario's parameter shards in model order, up to ``OPTIMIZER_ELEMENTS`` elements."""
     w = target.world_size
-    shapes = [(math.ceil(s.shape[0] / w), *s.shape[1:]) for s in param_specs(target.model)]
     chosen: list[tuple[int, ...]] = []
     total = 0
-    for shape in shapes:
+    for spec in param_specs(target.model):
+        shape = (math.ceil(spec.shape[0] / w), *spec.shape[1:])
         n = math.prod(shape)
         if chosen and total + n > OPTIMIZER_ELEMENTS:
             break
         chosen.append(shape)
         total += n
-    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in chosen]
-    for p in params:
-        p.grad = torch.randn_like(p)
+    return chosen
+
+
+def optimizer_step_s_per_param(
+    params: list[torch.nn.Parameter], device: torch.device, reps: int
+) -> dict[str, float]:
+    """Seconds per element of one ``AdamW(foreach=True)`` and ``SGD(momentum=0.9, foreach=True)``
+    step over ``params`` (whose gradients are set)."""
+    from torch.distributed.tensor import DTensor
+
+    # a DTensor's numel is the global one; the step works on this rank's shard
+    total = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
     out = {}
     for name, opt in (
         ("adamw", torch.optim.AdamW(params, lr=1e-4, foreach=True)),
@@ -99,6 +108,14 @@ def optimizer_s_per_param(target: ComputeTarget, device: torch.device, reps: int
     ):
         out[name] = _mean_s(opt.step, device, reps) / total
     return out
+
+
+def optimizer_s_per_param(target: ComputeTarget, device: torch.device, reps: int) -> dict[str, float]:
+    """Seconds per parameter element of one optimizer step over fp32 shards (plain tensors)."""
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in optimizer_shard_shapes(target)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return optimizer_step_s_per_param(params, device, reps)
 
 
 def _collective_thread(buf: torch.Tensor, group: Any, count: int, device: torch.device) -> threading.Thread:
