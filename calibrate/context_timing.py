@@ -12,7 +12,6 @@ drift reaches both alike.
 """
 
 import statistics
-import time
 from dataclasses import replace
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from calibrate.compute import ComputeTarget, UnitMeasure
 from calibrate.hf_llama import llama_config
 from calibrate.sweep import TORCH_DTYPES
+from calibrate.unit_timing import synced_now
 
 DEPTHS = (1, 3)  # decoder layers of the shallow and the deep model
 
@@ -33,19 +33,13 @@ def _model(target: ComputeTarget, n_layers: int, device: torch.device) -> torch.
     return model.to(device=device, dtype=TORCH_DTYPES[target.param_dtype]).train()
 
 
-def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _step(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> tuple[float, float]:
     """(forward, backward) seconds of one training step of ``model`` on ``ids``."""
-    t0 = _sync(device)
+    t0 = synced_now(device)
     loss = model(input_ids=ids, labels=ids).loss
-    t1 = _sync(device)
+    t1 = synced_now(device)
     loss.backward()
-    t2 = _sync(device)
+    t2 = synced_now(device)
     model.zero_grad(set_to_none=True)
     return t1 - t0, t2 - t1
 

@@ -18,7 +18,6 @@
 
 import math
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from calibrate.compute import ComputeTarget
 from calibrate.overheads import optimizer_shard_shapes, optimizer_step_s_per_param
 from calibrate.sweep import TORCH_DTYPES
+from calibrate.unit_timing import synced_now
 from sim.model import ModelConfig, layer_params
 
 CHAIN = 4  # wrapped layers
@@ -67,12 +67,6 @@ class _Chain(torch.nn.Module):
         return h
 
 
-def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _step(
     chain: torch.nn.Module, hidden: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[float, float]:
@@ -82,11 +76,11 @@ def _step(
     x = torch.randn(1, TINY_SEQ, hidden, device=device, dtype=dtype, requires_grad=True)
     records: list[tuple[str, float, float, int]] = []
     with timed_collectives(records):
-        t0 = _sync(device)
+        t0 = synced_now(device)
         loss = chain(x).float().sum()
-        t1 = _sync(device)
+        t1 = synced_now(device)
         loss.backward()
-        t2 = _sync(device)
+        t2 = synced_now(device)
     for p in chain.parameters():
         p.grad = None
     if device.type == "cuda":

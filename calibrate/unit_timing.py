@@ -29,6 +29,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def synced_now(device: torch.device) -> float:
+    """Wait for the device's queued work, then read the clock (timers must not race the GPU)."""
+    _sync(device)
+    return time.perf_counter()
+
+
 def _clear_grads(unit: Unit) -> None:
     for p in unit.params():
         p.grad = None

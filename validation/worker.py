@@ -12,13 +12,13 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from calibrate.unit_timing import synced_now
 from sim.io import write_text_atomic
 from sim.scenario import Scenario, Strategy, load_scenario
 from validation.build import build_llama, wrap
@@ -51,13 +51,6 @@ def _mesh(scenario: Scenario, device_type: str = "cpu"):
         s = scenario.shard_group_size
         return init_device_mesh(device_type, (k // s, s), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device_type, (k,), mesh_dim_names=("shard",))
-
-
-def _sync(device: torch.device) -> float:
-    """Wait for the device's queued work, then read the clock (timers must not race the GPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _batch(scenario: Scenario, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,19 +90,19 @@ class Trainer:
         self.marks: list[tuple[str, float, float]] = []  # (phase, start, end) on the host clock
         for mb in range(self.scenario.training.grad_accum):
             ids, labels = (t.to(self.device) for t in _batch(self.scenario, self.rank, index * 100 + mb))
-            t0 = _sync(self.device)
+            t0 = synced_now(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 loss = self.model(input_ids=ids, labels=labels).loss
-            t1 = _sync(self.device)
+            t1 = synced_now(self.device)
             loss.backward()
-            t2 = _sync(self.device)
+            t2 = synced_now(self.device)
             phases["forward"] += t1 - t0
             phases["backward"] += t2 - t1
             self.marks += [("forward", t0, t1), ("backward", t1, t2)]
-        t2 = _sync(self.device)
+        t2 = synced_now(self.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        t3 = _sync(self.device)
+        t3 = synced_now(self.device)
         phases["optimizer"] = t3 - t2
         self.marks.append(("optimizer", t2, t3))
         return phases
@@ -163,9 +156,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     times, phases = [], []
     for i in range(spec["steps"]):
         dist.barrier()
-        start = _sync(trainer.device)
+        start = synced_now(trainer.device)
         phases.append(trainer.step(spec["warmup"] + i))
-        times.append(_sync(trainer.device) - start)
+        times.append(synced_now(trainer.device) - start)
     counter = CollectiveCounter()
     with counter:
         trainer.step(spec["warmup"] + spec["steps"])
