@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sim.scenario import Scenario, load_scenario
+from sim.scenario.loader import load_scenario
+from sim.scenario.sections import Scenario
 from validation.fake_memory import measure_fake_memory_subprocess
 from validation.memory_only import compare_memory
 

@@ -6,7 +6,7 @@ Identical ranks are simulated once (rank symmetry); with jitter every rank is si
 
 import time
 
-from sim.scenario import scenario_from_dict
+from sim.scenario.loader import scenario_from_dict
 from sim.simulate import simulate
 
 TARGET_S = 2.0

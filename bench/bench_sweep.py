@@ -15,8 +15,8 @@ import resource
 import time
 from typing import Any
 
-from sim.sweep import Axis, csv_text, expand, make_rows, markdown_text
-from sim.sweep_exec import RESULT_KEYS, Base, apply_point, run_chunk, run_points
+from sim.study.sweep.plan import Axis, csv_text, expand, make_rows, markdown_text
+from sim.study.sweep.execute import RESULT_KEYS, Base, apply_point, run_chunk, run_points
 
 TARGET_S = 60.0
 N_POINTS = 10_000
@@ -40,7 +40,7 @@ AXES = (
 
 def _phases(points: Any, sample: int = 100) -> dict[str, float]:
     """Mean seconds per point of each phase, and bytes per point sent and returned, in this process."""
-    from sim.scenario import scenario_from_dict
+    from sim.scenario.loader import scenario_from_dict
     from sim.simulate import simulate
 
     picked = points[:: max(1, len(points) // sample)][:sample]
@@ -93,7 +93,7 @@ def main() -> None:
 
 def make_rows_for_bench(points: Any, results: Any) -> list[dict[str, Any]]:
     """Rows and the CSV and markdown text, as ``fsdpsim sweep`` makes them (files not written)."""
-    from sim.sweep import Plan
+    from sim.study.sweep.plan import Plan
 
     plan = Plan(base=BASE, where="bench", axes=AXES, points=points)
     rows = make_rows(plan, results)

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from browser import DevTools, find_chromium, synthetic_table  # noqa: E402
 
-from sim.chrome_trace import write_chrome_trace, write_chrome_trace_per_rank  # noqa: E402
-from sim.timeline import write_timeline_html  # noqa: E402
+from sim.outputs.chrome_trace import write_chrome_trace, write_chrome_trace_per_rank  # noqa: E402
+from sim.outputs.timeline import write_timeline_html  # noqa: E402
 
 MAX_HTML_BYTES = 20e6
 MAX_OPEN_S = 5.0

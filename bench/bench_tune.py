@@ -4,10 +4,10 @@ brute force that simulates every configuration."""
 
 import time
 
-from sim.profile import load_profile
-from sim.scenario import load_scenario
-from sim.tune_search import Status, search
-from sim.tune_space import global_batch
+from sim.hardware.registry import load_profile
+from sim.scenario.loader import load_scenario
+from sim.study.tune.search import Status, search
+from sim.study.tune.space import global_batch
 
 SCENARIOS = ("scenarios/llama2-7b-8xh100-zero3.toml", "scenarios/sft-vs-grpo-7b.toml")
 MARGIN = 0.1

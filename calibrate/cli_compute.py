@@ -12,7 +12,7 @@ from calibrate.dist_env import rank_env
 from calibrate.launch import WORKER_ENV
 from calibrate.profile_io import read_profile_dict
 from sim.errors import UserError
-from sim.model import preset
+from sim.workload.model import preset
 
 
 def target_from_args(args: argparse.Namespace, ranks: int) -> ComputeTarget:
@@ -20,7 +20,7 @@ def target_from_args(args: argparse.Namespace, ranks: int) -> ComputeTarget:
     if args.scenario:
         if any(f is not None for f in flags):
             raise UserError("give a scenario file or --model/--micro-batch/--seq-len/--param-dtype, not both")
-        from sim.scenario import load_scenario
+        from sim.scenario.loader import load_scenario
 
         sc = load_scenario(args.scenario, args.overrides)
         return ComputeTarget(

@@ -1,20 +1,20 @@
 """Measurements of ``calibrate compute``, shaped as the profile's ``compute`` section.
 
-The section's format and its checks live with the profile format in ``sim.compute_profile``.
+The section's format and its checks live with the profile format in ``sim.hardware.compute_section``.
 """
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sim.compute_profile import (
+from sim.hardware.compute_section import (
     MODEL_FIELDS,
     UNIT_FIELDS,
     UNITS,
     check_compute_matches,
     validate_compute_section,
 )
-from sim.model import ModelConfig
+from sim.workload.model import ModelConfig
 
 __all__ = [
     "ComputeTarget",

@@ -27,7 +27,7 @@ from calibrate.compute import ComputeTarget
 from calibrate.overheads import optimizer_shard_shapes, optimizer_step_s_per_param
 from calibrate.sweep import TORCH_DTYPES
 from calibrate.unit_timing import synced_now
-from sim.model import ModelConfig, layer_params
+from sim.workload.model import ModelConfig, layer_params
 
 CHAIN = 4  # wrapped layers
 TINY_SEQ = 8
@@ -91,7 +91,7 @@ def _step(
 
 
 def _copy_bytes(model: ModelConfig, world: int, param_bytes: int) -> tuple[int, int]:
-    """Bytes of the copies the simulator charges one layer (``sim.fsdp_schedule``) in forward and
+    """Bytes of the copies the simulator charges one layer (``sim.schedule.fsdp2``) in forward and
     in backward (fp32 shards, fp32 reduction, resharded after forward)."""
     padded = sum(
         math.ceil(p.shape[0] / world) * world * math.prod(p.shape[1:]) for p in layer_params(model, 0)

@@ -7,7 +7,7 @@ from it, so they measure the same architecture: SDPA attention, no KV cache (tra
 from dataclasses import replace
 from typing import Any
 
-from sim.model import ModelConfig
+from sim.workload.model import ModelConfig
 
 
 def llama_config(model: ModelConfig, seq_len: int, n_layers: int | None = None) -> Any:

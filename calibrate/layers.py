@@ -2,7 +2,7 @@
 
 - embed: ``nn.Embedding`` (HF ``LlamaModel.embed_tokens``). The rotary tables
   (``LlamaRotaryEmbedding``, computed once per forward in the root) are built once, outside every
-  unit, and passed to the block; the simulator models them analytically (``sim.layers``);
+  unit, and passed to the block; the simulator models them analytically (``sim.workload.layers``);
 - block: one ``LlamaDecoderLayer`` with SDPA attention, called as ``LlamaModel`` calls it
   (no mask, so SDPA runs causal, and the rotary ``position_embeddings``);
 - head: the final ``LlamaRMSNorm``, ``lm_head`` and HF's ``ForCausalLMLoss`` (logits upcast to

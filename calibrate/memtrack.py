@@ -10,7 +10,7 @@
   inside one op (e.g. the CPU flash-attention workspace) are invisible at this level.
 
 ``peak_above_start`` is the most a call holds on top of what was allocated when it started; the
-compute section's transients derive from it (``sim.compute_profile``).
+compute section's transients derive from it (``sim.hardware.compute_section``).
 """
 
 from collections.abc import Callable, Iterable

@@ -18,7 +18,7 @@ from sim.errors import UserError
 
 
 def _base_document(base: str | None, out: Path) -> tuple[dict[str, Any], str]:
-    from sim.builtin_profiles import BUILTIN_PROFILES
+    from sim.hardware.builtin import BUILTIN_PROFILES
 
     if base is not None and base in BUILTIN_PROFILES:
         return json.loads(json.dumps(BUILTIN_PROFILES[base])), f"built-in profile {base}"

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from calibrate.compute import ComputeTarget
 from calibrate.layers import Unit
 from calibrate.sweep import TORCH_DTYPES
-from sim.model import layer_params, param_specs
+from sim.workload.model import layer_params, param_specs
 
 OPTIMIZER_ELEMENTS = 32 << 20
 SLOWDOWN_WINDOW_S = 1.0

@@ -1,4 +1,4 @@
-"""Reading and writing profile files: validated by ``sim.profile``, written atomically.
+"""Reading and writing profile files: validated by ``sim.hardware.profile``, written atomically.
 
 A profile is written to a temporary file beside the target, flushed and fsynced, then moved
 over the target with ``os.replace`` (atomic on POSIX): a reader sees the old file or the new
@@ -14,7 +14,8 @@ from typing import Any
 
 from calibrate.records import Curve
 from sim.errors import UserError
-from sim.profile import SCHEMA_VERSION, profile_from_dict
+from sim.hardware.parse import profile_from_dict
+from sim.hardware.schema import SCHEMA_VERSION
 
 
 def write_profile_atomic(path: str | Path, data: dict[str, Any]) -> None:

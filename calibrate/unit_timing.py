@@ -97,7 +97,7 @@ def recompute_s(unit: Unit, device: torch.device, reps: int) -> float:
 
 def memory(unit: Unit, device: torch.device) -> tuple[int, int, int]:
     """(saved activation bytes, forward transient, backward transient) of one call, as the
-    simulator's ledger uses them (``sim.compute_profile``): forward holds saved + transient,
+    simulator's ledger uses them (``sim.hardware.compute_section``): forward holds saved + transient,
     backward holds transient on top of its start."""
     inputs = unit.make_inputs()
     _clear_grads(unit)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.events import EventTable, MemoryCategory, MemoryRecord, OpKind, OpRecord, Stream
+from sim.core.events import EventTable, MemoryCategory, MemoryRecord, OpKind, OpRecord, Stream
 
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 

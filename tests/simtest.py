@@ -3,9 +3,11 @@
 import copy
 from typing import Any
 
-from sim.builtin_profiles import BUILTIN_PROFILES
-from sim.profile import HardwareProfile, profile_from_dict
-from sim.scenario import Scenario, scenario_from_dict
+from sim.hardware.builtin import BUILTIN_PROFILES
+from sim.hardware.parse import profile_from_dict
+from sim.hardware.schema import HardwareProfile
+from sim.scenario.loader import scenario_from_dict
+from sim.scenario.sections import Scenario
 
 
 def make_scenario(**sections: dict[str, Any]) -> Scenario:
@@ -47,9 +49,9 @@ def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, fact
     """A compute section whose every measurement is ``factor`` x the analytic model's, at the
     scenario's dimensions (what `calibrate compute` would write on a machine that runs exactly
     ``factor`` times slower and allocates ``factor`` times more)."""
-    from sim.compute_model import build_compute_costs
+    from sim.costs.compute import build_compute_costs
     from sim.dtypes import dtype_bytes
-    from sim.layers import CalibrationGroup, Workload, layer_ops
+    from sim.workload.layers import CalibrationGroup, Workload, layer_ops
 
     t = scenario.training
     workload = Workload(

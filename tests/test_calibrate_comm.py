@@ -12,7 +12,8 @@ from calibrate.cli import main, parse_size
 from calibrate.groups import plan_group_families
 from calibrate.sweep_plan import CPU_DEFAULTS, SweepConfig, iters_for, sizes_for
 from sim.errors import UserError
-from sim.profile import SCHEMA_VERSION, load_profile
+from sim.hardware.registry import load_profile
+from sim.hardware.schema import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--max-bytes", "64K", "--iters", "3", "--max-iters", "5", "--warmup", "1"]

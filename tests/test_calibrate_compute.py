@@ -13,12 +13,12 @@ import torch
 
 from calibrate.compute import ComputeTarget, check_compute_matches, validate_compute_section
 from calibrate.memtrack import SavedTensorBytes, peak_above_start
-from sim.builtin_profiles import BUILTIN_PROFILES
-from sim.cli import main as fsdpsim_main
+from sim.hardware.builtin import BUILTIN_PROFILES
+from sim.cli.main import main as fsdpsim_main
 from sim.errors import UserError
-from sim.model import PRESETS
-from sim.profile import load_profile
-from sim.scenario import load_scenario
+from sim.workload.model import PRESETS
+from sim.hardware.registry import load_profile
+from sim.scenario.loader import load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "scenarios" / "tiny.toml"

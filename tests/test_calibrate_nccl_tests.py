@@ -9,7 +9,7 @@ from calibrate.busbw import bus_factor
 from calibrate.cli import main
 from calibrate.nccl_tests import collective_from_name, curves_from_runs, parse_file
 from sim.errors import UserError
-from sim.profile import load_profile
+from sim.hardware.registry import load_profile
 
 DATA = Path(__file__).parent / "data" / "nccl_tests"
 AG_TEXT = DATA / "all_gather_perf_8xh100.txt"

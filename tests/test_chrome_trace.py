@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.chrome_trace import STREAM_IDS, write_chrome_trace, write_chrome_trace_per_rank
-from sim.events import EventTable, MemoryCategory, OpKind, OpRecord, Stream
-from sim.intervals import difference, merge, rank_breakdown, step_time, subtract_length, union_length
+from sim.outputs.chrome_trace import STREAM_IDS, write_chrome_trace, write_chrome_trace_per_rank
+from sim.core.events import EventTable, MemoryCategory, OpKind, OpRecord, Stream
+from sim.outputs.intervals import difference, merge, rank_breakdown, step_time, subtract_length, union_length
 
 try:
     from browser import synthetic_table
@@ -187,7 +187,7 @@ def test_large_trace_size_and_event_count(tmp_path):
 
 
 def test_real_scenario_trace_matches_report(tmp_path):
-    from sim.scenario import load_scenario
+    from sim.scenario.loader import load_scenario
     from sim.simulate import simulate
 
     result = simulate(load_scenario(SCENARIOS / "tiny.toml"))

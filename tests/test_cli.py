@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sim.io import write_text_atomic
-from sim.model import n_params
-from sim.scenario import load_scenario
+from sim.fileio import write_text_atomic
+from sim.workload.model import n_params
+from sim.scenario.loader import load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.toml"))
@@ -28,7 +28,7 @@ MEMORY_CATEGORIES = {"params", "grads", "optimizer", "activations", "comm_buffer
 def fsdpsim(*args: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "sim.cli", *map(str, args)],
+        [sys.executable, "-m", "sim.cli.main", *map(str, args)],
         capture_output=True, text=True, cwd=cwd, env=env, timeout=120,
     )  # fmt: skip
 

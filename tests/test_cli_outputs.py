@@ -10,7 +10,7 @@ TINY = str(ROOT / "scenarios" / "tiny.toml")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sim.cli", "run", TINY, *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "sim.cli.main", "run", TINY, *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
 
 

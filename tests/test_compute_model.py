@@ -6,7 +6,7 @@ import pytest
 from simtest import make_profile, make_scenario, synthetic_compute_section
 
 from sim.errors import UserError
-from sim.events import OpKind
+from sim.core.events import OpKind
 from sim.simulate import simulate
 
 
@@ -104,7 +104,7 @@ def test_fsdp_steps_the_optimizer_measured_on_dtensors_and_ddp_the_plain_one():
         (op,) = [o for o in result.events.ops_of(0) if o.kind is OpKind.OPTIMIZER]
         return op.duration_s
 
-    from sim.model import n_params
+    from sim.workload.model import n_params
 
     n = n_params(fsdp_s.model)
     assert optimizer_op(ddp_s) == pytest.approx(n * 1e-9)

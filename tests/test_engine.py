@@ -2,10 +2,10 @@
 
 import pytest
 
-from sim.engine import Variability, run_program
-from sim.events import MemoryCategory, OpKind, Stream
-from sim.program import Alloc, Program
-from sim.topology import GroupKind, Topology
+from sim.core.engine import Variability, run_program
+from sim.core.events import MemoryCategory, OpKind, Stream
+from sim.core.program import Alloc, Program
+from sim.core.topology import GroupKind, Topology
 
 TWO_RANKS = Topology(world_size=2, gpus_per_node=2, shard_size=2)
 

@@ -3,11 +3,11 @@
 import pytest
 from simtest import make_scenario
 
-from sim.events import MemoryCategory
-from sim.memory import memory_curve
-from sim.model import PRESETS, n_params
+from sim.core.events import MemoryCategory
+from sim.outputs.memory_curve import memory_curve
+from sim.workload.model import PRESETS, n_params
 from sim.simulate import simulate
-from sim.units import padded_numel
+from sim.workload.units import padded_numel
 
 PHI_7B = 6_738_415_616
 BIG = {"preset": "llama2-7b"}
@@ -71,7 +71,7 @@ def test_fsdp2_pads_dim0_to_the_shard_group():
     """tiny on 3 ranks: vocab 512 rows pad to 513, ffn 172 rows pad to 174, and so on."""
     k = 3
     r = simulate(make_scenario(parallel={"world_size": k}))
-    from sim.model import param_specs
+    from sim.workload.model import param_specs
 
     padded = sum(padded_numel(s, k) for s in param_specs(PRESETS["tiny"]))
     assert padded > n_params(PRESETS["tiny"])

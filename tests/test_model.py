@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from sim.errors import UserError
-from sim.model import PRESETS, ModelConfig, n_params, param_specs, preset
+from sim.workload.model import PRESETS, ModelConfig, n_params, param_specs, preset
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

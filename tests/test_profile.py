@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
-from sim.builtin_profiles import BUILTIN_PROFILES
+from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.errors import UserError
-from sim.profile import SCHEMA_VERSION, HardwareProfile, load_profile, profile_from_dict
+from sim.hardware.parse import profile_from_dict
+from sim.hardware.registry import load_profile
+from sim.hardware.schema import HardwareProfile, SCHEMA_VERSION
 
 MiB = 1 << 20
 

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from simtest import make_profile, make_scenario
 
-from sim.events import MemoryCategory, Stream
-from sim.memory import memory_curve
+from sim.core.events import MemoryCategory, Stream
+from sim.outputs.memory_curve import memory_curve
 from sim.simulate import simulate
 
 scenario_args = st.fixed_dictionaries(
@@ -102,7 +102,7 @@ def test_collectives_start_after_the_last_rank_arrives_and_end_together(a):
 
 
 def _members(result, op):
-    from sim.topology import GroupKind, Topology
+    from sim.core.topology import GroupKind, Topology
 
     s = result.scenario
     topo = Topology(world_size=s.parallel.world_size, gpus_per_node=2, shard_size=result.step.shard_size)

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from sim.errors import UserError
-from sim.model import PRESETS
-from sim.scenario import (
+from sim.workload.model import PRESETS
+from sim.scenario.loader import (
     CheckpointMode,
     OptimizerName,
     Scenario,

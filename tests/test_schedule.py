@@ -3,10 +3,10 @@
 import pytest
 from simtest import make_profile, make_scenario
 
-from sim.comm_model import wire_bytes_per_rank
-from sim.events import OpKind, Stream
+from sim.costs.collectives import wire_bytes_per_rank
+from sim.core.events import OpKind, Stream
 from sim.simulate import simulate
-from sim.units import ROOT
+from sim.workload.units import ROOT
 
 ONE_LAYER = {"preset": "tiny", "n_layers": 1}
 

@@ -12,8 +12,8 @@ import pytest
 
 from sim import cli
 from sim.errors import UserError
-from sim.sweep import Axis, axes_from_table, axis_from_flag, expand, make_plan, merge_axes
-from sim.sweep_exec import ExecutorSpec, chunk_size, parse_executor, run_points
+from sim.study.sweep.plan import Axis, axes_from_table, axis_from_flag, expand, make_plan, merge_axes
+from sim.study.sweep.execute import ExecutorSpec, chunk_size, parse_executor, run_points
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "scenarios" / "sweep-7b-strategies.toml"
@@ -319,7 +319,7 @@ def test_cli_subprocess_error_is_one_line(tmp_path: Path) -> None:
         tmp_path, '[sweep]\n"training.micro_batch" = [1, 2]\n"training.seq_len" = [64]\nmode = "zip"\n'
     )
     env = os.environ | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "sim.cli", "sweep", str(path), "--out", str(tmp_path / "o")],
+    proc = subprocess.run([sys.executable, "-m", "sim.cli.main", "sweep", str(path), "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     assert (
@@ -358,7 +358,7 @@ def test_ray_executor_connects_to_ray_address(tmp_path: Path) -> None:
     try:
         env = os.environ | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONPATH": str(ROOT)}
         proc = subprocess.run(
-            [sys.executable, "-m", "sim.cli", "sweep", str(EXAMPLE), *TINY_SET, "--executor", "ray",
+            [sys.executable, "-m", "sim.cli.main", "sweep", str(EXAMPLE), *TINY_SET, "--executor", "ray",
              "--out", str(tmp_path / "ray")], capture_output=True, text=True, env=env, timeout=120,
         )  # fmt: skip
     finally:

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.events import OpKind
-from sim.intervals import exposed_comm_intervals, union_length
-from sim.sweep_plots import pareto_front, write_sweep_plots
-from sim.timeline import KIND_COLOURS, timeline_figure, write_timeline_html
+from sim.core.events import OpKind
+from sim.outputs.intervals import exposed_comm_intervals, union_length
+from sim.study.sweep.plots import pareto_front, write_sweep_plots
+from sim.outputs.timeline import KIND_COLOURS, timeline_figure, write_timeline_html
 
 try:
     from browser import DevTools, decode_png, find_chromium, synthetic_table
@@ -29,7 +29,7 @@ def traces_named(fig, name):
 
 
 def test_importing_timeline_does_not_import_plotly():
-    code = "import sys, sim.timeline, sim.chrome_trace; assert 'plotly' not in sys.modules"
+    code = "import sys, sim.outputs.timeline, sim.outputs.chrome_trace; assert 'plotly' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -150,7 +150,7 @@ def test_broken_page_is_caught(browser, tmp_path):
 
 
 def test_real_scenario_timeline_renders(browser, tmp_path):
-    from sim.scenario import load_scenario
+    from sim.scenario.loader import load_scenario
     from sim.simulate import simulate
 
     result = simulate(load_scenario(SCENARIOS / "tiny.toml"))

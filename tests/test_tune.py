@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 
 from sim.errors import UserError
-from sim.profile import load_profile
-from sim.scenario import CheckpointMode, Strategy, WrapPolicy, load_scenario
+from sim.hardware.registry import load_profile
+from sim.scenario.loader import load_scenario
+from sim.workload.options import CheckpointMode, Strategy, WrapPolicy
 from sim.simulate import build_step, simulate
-from sim.tune import tune
-from sim.tune_bounds import memory_lower_bound_bytes, step_time_lower_bound_s
-from sim.tune_report import format_table, to_json
-from sim.tune_search import SearchResult, Status, search
-from sim.tune_space import apply, candidates, global_batch, per_rank_batch
+from sim.study.tune.tuner import tune
+from sim.study.tune.bounds import memory_lower_bound_bytes, step_time_lower_bound_s
+from sim.study.tune.report import format_table, to_json
+from sim.study.tune.search import SearchResult, Status, search
+from sim.study.tune.space import apply, candidates, global_batch, per_rank_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +74,7 @@ def searched(path: Path, prune: bool) -> tuple[SearchResult, float]:
 def fsdpsim(*args: str | Path) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "sim.cli", *map(str, args)],
+        [sys.executable, "-m", "sim.cli.main", *map(str, args)],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
     )  # fmt: skip
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.events import OpKind
-from sim.scenario import load_scenario
+from sim.core.events import OpKind
+from sim.scenario.loader import load_scenario
 from sim.simulate import simulate
 from validation.compare import simulated_phases
 from validation.real_timeline import timeline_table
@@ -36,7 +36,7 @@ def cpu_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _validate(profile: Path, *overrides: str, extra: tuple[str, ...] = ()) -> dict:
     sets = [a for o in overrides for a in ("--set", o)] + list(extra)
-    cmd = [sys.executable, "-m", "sim.cli", "validate", TINY, "--nproc", "2", "--steps", "2", "--warmup", "1",
+    cmd = [sys.executable, "-m", "sim.cli.main", "validate", TINY, "--nproc", "2", "--steps", "2", "--warmup", "1",
            "--profile", str(profile), "--format", "json", *sets]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -75,7 +75,7 @@ def test_real_fsdp2_run_matches_the_simulation(
 
 
 def test_validate_refuses_a_user_mistake_with_one_line(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "sim.cli", "validate", TINY, "--set", "parallel.wrap=layers"]
+    cmd = [sys.executable, "-m", "sim.cli.main", "validate", TINY, "--set", "parallel.wrap=layers"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("fsdpsim: error:") and "Traceback" not in proc.stderr

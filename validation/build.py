@@ -13,9 +13,10 @@ from torch import nn
 
 from calibrate.hf_llama import llama_config
 from calibrate.sweep import TORCH_DTYPES
-from sim.model import ModelConfig
-from sim.scenario import CheckpointMode, Scenario, Strategy, WrapPolicy
-from sim.units import unit_prefixes
+from sim.workload.model import ModelConfig
+from sim.scenario.sections import Scenario
+from sim.workload.options import CheckpointMode, Strategy, WrapPolicy
+from sim.workload.units import unit_prefixes
 
 
 def build_llama(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:

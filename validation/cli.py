@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from sim.errors import UserError
-from sim.io import write_text_atomic
+from sim.fileio import write_text_atomic
 
 PROG = "fsdpsim validate"
 
@@ -80,8 +80,9 @@ def validate_one(
     timeout_s: float,
 ) -> "Validation":
     """Run for real, simulate with a calibrated profile, and compare."""
-    from sim.profile import load_profile
-    from sim.scenario import Strategy, load_scenario
+    from sim.hardware.registry import load_profile
+    from sim.scenario.loader import load_scenario
+    from sim.workload.options import Strategy
     from sim.simulate import simulate
     from validation.compare import compare
     from validation.launch import run_real
@@ -133,7 +134,7 @@ def main(argv: list[str]) -> int:
 
 
 def _write_timeline(path: str, title: str, validation: Validation) -> None:
-    from sim.timeline import write_timeline_html
+    from sim.outputs.timeline import write_timeline_html
     from validation.real_timeline import timeline_table
 
     real = validation.ranks[0].get("timeline") or {}

@@ -4,7 +4,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim.events import EventTable, MemoryCategory, OpKind
+from sim.core.events import EventTable, MemoryCategory, OpKind
 
 PHASES = ("forward", "backward", "optimizer")
 

@@ -39,7 +39,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sim.errors import UserError
-from sim.scenario import Scenario, Strategy, load_scenario
+from sim.scenario.loader import load_scenario
+from sim.scenario.sections import Scenario
+from sim.workload.options import Strategy
 from validation.build import build_llama, wrap
 from validation.worker import TRACKER_CATEGORIES, Trainer, _mesh
 

@@ -14,7 +14,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from sim.io import write_text_atomic
+from sim.fileio import write_text_atomic
 from validation.compare import Comparison, Row, format_markdown
 
 BASE = "scenarios/validate-cpu.toml"

@@ -4,9 +4,11 @@
 import dataclasses
 from typing import Any
 
-from sim.events import MemoryCategory
-from sim.profile import HardwareProfile, load_profile
-from sim.scenario import Scenario, load_scenario
+from sim.core.events import MemoryCategory
+from sim.hardware.registry import load_profile
+from sim.hardware.schema import HardwareProfile
+from sim.scenario.loader import load_scenario
+from sim.scenario.sections import Scenario
 from sim.simulate import simulate
 from validation.compare import Comparison, Row
 

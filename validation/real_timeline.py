@@ -6,8 +6,8 @@ of each phase (forward, backward, optimizer) is compute and FSDP's own work. On 
 runs ahead of the device, so this timeline would show launch times: it is recorded on CPU only.
 """
 
-from sim.events import EventTable, OpKind, OpRecord, Stream
-from sim.intervals import difference
+from sim.core.events import EventTable, OpKind, OpRecord, Stream
+from sim.outputs.intervals import difference
 
 STREAMS = {
     "all_gather": Stream.ALL_GATHER,

@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from calibrate.unit_timing import synced_now
-from sim.io import write_text_atomic
-from sim.scenario import Scenario, Strategy, load_scenario
+from sim.fileio import write_text_atomic
+from sim.scenario.loader import load_scenario
+from sim.scenario.sections import Scenario
+from sim.workload.options import Strategy
 from validation.build import build_llama, wrap
 from validation.counting import CollectiveCounter, counting_allreduce_hook
 

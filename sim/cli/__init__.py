@@ -1,0 +1,1 @@
+"""The ``fsdpsim`` command line: one module per verb, one argument parser class."""

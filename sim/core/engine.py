@@ -1,0 +1,238 @@
+"""The SimPy engine: K ranks, each with FIFO streams, rendezvous collectives and a memory ledger.
+
+It runs a ``Program`` (one per rank, identical up to process groups) and records every op and
+every allocation in an ``EventTable``. It knows ranks, streams, groups and memory, not FSDP.
+
+When every rank would behave identically (no jitter, no slow rank) it simulates rank 0 alone:
+each collective then starts as soon as rank 0 reaches it, which is exactly when all ranks do.
+"""
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+
+import numpy as np
+import simpy
+
+from sim.core.events import EventTable, MemoryCategory, MemoryRecord, OpKind, OpRecord, Stream
+from sim.core.program import Program, ProgramOp
+from sim.core.topology import GroupKind, Topology
+
+COMPUTE_KINDS = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.RECOMPUTE, OpKind.OPTIMIZER})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variability:
+    """Per-rank differences: seeded compute jitter and one slow rank."""
+
+    seed: int = 0
+    compute_jitter: float = 0.0
+    slow_rank: int | None = None
+    slow_rank_factor: float = 1.0
+
+    @property
+    def ranks_identical(self) -> bool:
+        return self.compute_jitter == 0 and (self.slow_rank is None or self.slow_rank_factor == 1.0)
+
+    def compute_multipliers(self, world_size: int, n_ops: int) -> np.ndarray:
+        """Factor on each op's duration per rank; one generator per run, drawn in rank order."""
+        factors = np.ones((world_size, n_ops))
+        if self.compute_jitter > 0:
+            rng = np.random.default_rng(self.seed)
+            factors *= np.clip(rng.normal(1.0, self.compute_jitter, size=(world_size, n_ops)), 0.05, None)
+        if self.slow_rank is not None:
+            factors[self.slow_rank] *= self.slow_rank_factor
+        return factors
+
+
+class _Rendezvous:
+    """Collectives in flight, keyed by (group, n-th collective on that group).
+
+    ``on_change(ranks, +1 | -1)`` is told when a collective starts and ends on its ranks.
+    """
+
+    def __init__(self, env: simpy.Environment, on_change: Callable[[list[int], int], None]):
+        self.env, self.on_change = env, on_change
+        self.pending: dict[tuple[object, int], tuple[simpy.Event, list[int]]] = {}
+
+    def arrive(self, key: tuple[object, int], rank: int, n_members: int, duration_s: float) -> simpy.Event:
+        done, arrived = self.pending.setdefault(key, (self.env.event(), []))
+        arrived.append(rank)
+        if len(arrived) == n_members:
+            del self.pending[key]
+            self.env.process(self._run(done, arrived, duration_s))
+        return done
+
+    def _run(
+        self, done: simpy.Event, ranks: list[int], duration_s: float
+    ) -> Generator[simpy.Event, object, None]:
+        start = self.env.now
+        self.on_change(ranks, +1)
+        yield self.env.timeout(duration_s)
+        self.on_change(ranks, -1)
+        done.succeed(start)
+
+
+class Engine:
+    def __init__(
+        self,
+        program: Program,
+        topology: Topology,
+        variability: Variability,
+        *,
+        serial: bool,
+        interference: float = 1.0,
+    ):
+        """``interference``: how much slower compute runs while a collective runs on the same rank
+        (NCCL kernels take SMs; gloo threads take cores), from the profile's calibration."""
+        self.program, self.topology, self.serial = program, topology, serial
+        self.interference = 1.0 if serial else interference
+        k = topology.world_size
+        self.ranks = [0] if variability.ranks_identical else list(range(k))
+        compute = np.array([op.kind in COMPUTE_KINDS for op in program.ops])
+        factors = (
+            variability.compute_multipliers(k, len(program.ops)) if not variability.ranks_identical else None
+        )
+        self.duration: Callable[[int, ProgramOp], float] = (
+            (lambda r, op: op.duration_s * (factors[r, op.op_id] if compute[op.op_id] else 1.0))
+            if factors is not None
+            else (lambda r, op: op.duration_s)
+        )
+        self.env = simpy.Environment()
+        self.rendezvous = _Rendezvous(self.env, self._comm_changed)
+        self.active_comm = dict.fromkeys(self.ranks, 0)
+        self.computing: dict[int, simpy.Process] = {}  # rank -> process inside a compute op
+        self.ops: list[OpRecord] = []
+        self.memory: list[MemoryRecord] = []
+        self.done = {r: [self.env.event() for _ in program.ops] for r in self.ranks}
+        self.live: dict[int, dict[str, tuple[MemoryCategory, int]]] = {r: {} for r in self.ranks}
+        self.group_seq: dict[int, dict[object, int]] = {r: {} for r in self.ranks}
+        self.groups: dict[tuple[GroupKind, int], tuple[tuple[str, int], int, int]] = {}
+
+    def run(self) -> EventTable:
+        for rank in self.ranks:
+            for alloc in self.program.initial:
+                self._alloc(rank, alloc.label, alloc.category, alloc.bytes)
+            for ops in self._queues():
+                self.env.process(self._stream(rank, ops))
+        self.env.run()
+        return EventTable(
+            world_size=self.topology.world_size,
+            simulated_ranks=tuple(self.ranks),
+            ops=tuple(self.ops),
+            memory=tuple(self.memory),
+        )
+
+    def _queues(self) -> list[list[ProgramOp]]:
+        """Ops per stream in issue order. On a serial backend everything the host waits for shares
+        one queue; only ops the host issues asynchronously keep their own streams."""
+        queues: dict[Stream | None, list[ProgramOp]] = {}
+        for op in self.program.ops:
+            queues.setdefault(None if self.serial and not op.host_async else op.stream, []).append(op)
+        return list(queues.values())
+
+    def _stream(self, rank: int, ops: list[ProgramOp]) -> Generator[simpy.Event, object, None]:
+        done = self.done[rank]
+        for op in ops:
+            waiting = [done[d] for d in op.deps if not done[d].processed]
+            if len(waiting) == 1:
+                yield waiting[0]
+            elif waiting:
+                yield self.env.all_of(waiting)
+            ready = self.env.now
+            for label in op.start_frees:
+                self._free(rank, label)
+            for alloc in op.allocs:
+                self._alloc(rank, alloc.label, alloc.category, alloc.bytes)
+            duration = self.duration(rank, op)
+            if op.group is not None:
+                gid, simulated_members, group_size = self._group(op.group, rank)
+                seq = self.group_seq[rank].get(gid, 0)
+                self.group_seq[rank][gid] = seq + 1
+                arrived = yield self.rendezvous.arrive((gid, seq), rank, simulated_members, duration)
+                start = float(arrived)  # type: ignore[arg-type]
+            else:
+                start = float(ready)
+                if self.interference != 1.0 and op.stream is Stream.COMPUTE:
+                    yield from self._slowed_compute(rank, duration)
+                else:
+                    yield self.env.timeout(duration)
+                group_size = 1
+            for label in op.frees:
+                self._free(rank, label)
+            for alloc in op.end_allocs:
+                self._alloc(rank, alloc.label, alloc.category, alloc.bytes)
+            self.ops.append(
+                OpRecord(
+                    rank=rank,
+                    op_id=op.op_id,
+                    stream=op.stream,
+                    kind=op.kind,
+                    name=op.name,
+                    unit=op.unit,
+                    microbatch=op.microbatch,
+                    ready_s=ready,
+                    start_s=start,
+                    end_s=self.env.now,
+                    bytes=op.bytes,
+                    group_size=group_size,
+                    algorithm=op.algorithm,
+                )
+            )
+            done[op.op_id].succeed()
+
+    def _group(self, kind: GroupKind, rank: int) -> tuple[tuple[str, int], int, int]:
+        """(group id, members that are simulated, group size) of ``rank``'s group of ``kind``."""
+        key = (kind, rank)
+        if key not in self.groups:
+            members = self.topology.members(kind, rank)
+            simulated = sum(1 for m in members if m in self.done)
+            self.groups[key] = (self.topology.group_id(kind, rank), simulated, len(members))
+        return self.groups[key]
+
+    def _slowed_compute(self, rank: int, work_s: float) -> Generator[simpy.Event, object, None]:
+        """Run ``work_s`` seconds of isolated compute, slower while a collective runs on this rank."""
+        process = self.env.active_process
+        assert process is not None
+        while work_s > 1e-15:
+            rate = 1.0 / self.interference if self.active_comm[rank] else 1.0
+            started = self.env.now
+            self.computing[rank] = process
+            try:
+                yield self.env.timeout(work_s / rate)
+                work_s = 0.0
+            except simpy.Interrupt:
+                work_s -= (self.env.now - started) * rate
+            finally:
+                self.computing.pop(rank, None)
+
+    def _comm_changed(self, ranks: list[int], delta: int) -> None:
+        for rank in ranks:
+            self.active_comm[rank] += delta
+            process = self.computing.get(rank)
+            if process is not None and process.is_alive:
+                process.interrupt()  # its rate changes: it recomputes its remaining time
+
+    def _alloc(self, rank: int, label: str, category: MemoryCategory, nbytes: int) -> None:
+        if label in self.live[rank]:
+            raise RuntimeError(f"buffer {label!r} allocated twice on rank {rank}")
+        self.live[rank][label] = (category, nbytes)
+        if nbytes > 0:
+            self.memory.append(
+                MemoryRecord(rank=rank, time_s=self.env.now, category=category, delta_bytes=nbytes, label=label)
+            )
+
+    def _free(self, rank: int, label: str) -> None:
+        if label not in self.live[rank]:
+            raise RuntimeError(f"buffer {label!r} freed on rank {rank} but not allocated")
+        category, nbytes = self.live[rank].pop(label)
+        if nbytes > 0:
+            self.memory.append(
+                MemoryRecord(rank=rank, time_s=self.env.now, category=category, delta_bytes=-nbytes, label=label)
+            )
+
+
+def run_program(
+    program: Program, topology: Topology, variability: Variability, *, serial: bool, interference: float = 1.0
+) -> EventTable:
+    """Simulate one step and return its event table."""
+    return Engine(program, topology, variability, serial=serial, interference=interference).run()

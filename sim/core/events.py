@@ -1,0 +1,141 @@
+"""The event table: the single record of a simulated step that every output reads.
+
+Report, plotly timeline and Chrome trace are all computed from an ``EventTable``.
+Times are seconds from the start of the step; sizes are bytes.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cached_property
+from typing import Protocol, TypeVar
+
+
+class Stream(StrEnum):
+    """Per-rank execution lanes, as CUDA streams in FSDP2 (``_fsdp_param_group.FSDPCommContext``)."""
+
+    COMPUTE = "compute"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+
+class OpKind(StrEnum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+    OPTIMIZER = "optimizer"
+    COPY = "copy"  # FSDP2 all-gather copy-out / reduce-scatter copy-in on the compute stream
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+    @property
+    def is_collective(self) -> bool:
+        return self in _COLLECTIVE_KINDS
+
+
+_COLLECTIVE_KINDS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE})
+
+
+class MemoryCategory(StrEnum):
+    PARAMS = "params"
+    GRADS = "grads"
+    OPTIMIZER = "optimizer"
+    ACTIVATIONS = "activations"
+    COMM_BUFFERS = "comm_buffers"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpRecord:
+    """One op executed on one rank.
+
+    ``ready_s`` is when this rank could have started it (its stream was free and its
+    dependencies done); for a collective, ``start_s - ready_s`` is the wait for the slowest rank.
+    ``bytes`` is the collective's nccl-tests size (0 for compute); ``group_size`` is 1 for compute.
+    """
+
+    rank: int
+    op_id: int
+    stream: Stream
+    kind: OpKind
+    name: str
+    unit: str
+    microbatch: int
+    ready_s: float
+    start_s: float
+    end_s: float
+    bytes: int = 0
+    group_size: int = 1
+    algorithm: str = ""
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryRecord:
+    """One allocation (``delta_bytes`` > 0) or free (< 0) of a labelled buffer on one rank."""
+
+    rank: int
+    time_s: float
+    category: MemoryCategory
+    delta_bytes: int
+    label: str
+
+
+class _Ranked(Protocol):
+    @property
+    def rank(self) -> int: ...
+
+
+R = TypeVar("R", bound=_Ranked)
+
+
+def group_by_rank(records: Iterable[R]) -> dict[int, list[R]]:
+    """Records grouped by their (simulated) rank, each group in table order."""
+    groups: dict[int, list[R]] = {}
+    for rec in records:
+        groups.setdefault(rec.rank, []).append(rec)
+    return groups
+
+
+@dataclass(frozen=True)
+class EventTable:
+    """Everything the engine recorded for one step, in the order it happened.
+
+    When every rank is identical the engine simulates only rank 0 (``simulated_ranks == (0,)``)
+    and ``rank_of`` maps every rank of the job to the simulated rank whose records stand for it.
+    """
+
+    world_size: int
+    simulated_ranks: tuple[int, ...]
+    ops: tuple[OpRecord, ...] = ()
+    memory: tuple[MemoryRecord, ...] = ()
+
+    @cached_property
+    def _simulated(self) -> frozenset[int]:
+        return frozenset(self.simulated_ranks)
+
+    def rank_of(self, rank: int) -> int:
+        return rank if rank in self._simulated else self.simulated_ranks[0]
+
+    @cached_property
+    def ops_by_rank(self) -> dict[int, list[OpRecord]]:
+        """Each simulated rank's ops, in table order (grouped once)."""
+        return group_by_rank(self.ops)
+
+    @cached_property
+    def memory_by_rank(self) -> dict[int, list[MemoryRecord]]:
+        """Each simulated rank's memory records, in table order (grouped once)."""
+        return group_by_rank(self.memory)
+
+    def ops_of(self, rank: int) -> list[OpRecord]:
+        """The ops that stand for job rank ``rank``."""
+        return self.ops_by_rank.get(self.rank_of(rank), [])
+
+    def memory_of(self, rank: int) -> list[MemoryRecord]:
+        """The memory records that stand for job rank ``rank``."""
+        return self.memory_by_rank.get(self.rank_of(rank), [])

@@ -1,0 +1,89 @@
+"""What the engine executes: one rank's ops in host issue order, with memory actions.
+
+The engine knows nothing about FSDP; ``sim.schedule`` writes programs. Every rank runs the same
+program; only its process groups differ.
+"""
+
+from dataclasses import dataclass, field, replace
+
+from sim.core.events import MemoryCategory, OpKind, Stream
+from sim.core.topology import GroupKind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Alloc:
+    label: str
+    category: MemoryCategory
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProgramOp:
+    """One op. It starts when its stream has finished the previous op and its ``deps`` are done;
+    a collective also waits until every rank of its group has reached it. ``allocs`` happen when
+    it becomes ready (after ``start_frees``: buffers the host drops before issuing it), ``frees``
+    when it ends (stream-ordered reuse in the caching allocator), then
+    ``end_allocs``: what the op leaves behind (the gradients a backward op produces) once its own
+    temporaries are gone."""
+
+    op_id: int
+    stream: Stream
+    kind: OpKind
+    name: str
+    unit: str
+    microbatch: int
+    duration_s: float
+    deps: tuple[int, ...] = ()
+    allocs: tuple[Alloc, ...] = ()
+    frees: tuple[str, ...] = ()
+    end_allocs: tuple[Alloc, ...] = ()
+    start_frees: tuple[str, ...] = ()
+    group: GroupKind | None = None  # set for collectives
+    bytes: int = 0  # nccl-tests size of a collective
+    algorithm: str = ""  # a collective's algorithm, as its cost model chose it
+    # issued asynchronously by the host (DDP's reducer): it overlaps the host's work even on a
+    # backend whose blocking collectives serialise everything else (gloo)
+    host_async: bool = False
+
+
+@dataclass
+class Program:
+    """A rank's program while a schedule writes it: ops are appended with ``emit``."""
+
+    ops: list[ProgramOp] = field(default_factory=list)
+    initial: list[Alloc] = field(default_factory=list)  # resident before the step starts
+
+    def emit(
+        self,
+        *,
+        stream: Stream,
+        kind: OpKind,
+        name: str,
+        unit: str,
+        microbatch: int,
+        duration_s: float,
+        deps: tuple[int, ...] = (),
+        allocs: tuple[Alloc, ...] = (),
+        frees: tuple[str, ...] = (),
+        end_allocs: tuple[Alloc, ...] = (),
+        start_frees: tuple[str, ...] = (),
+        group: GroupKind | None = None,
+        bytes: int = 0,
+        algorithm: str = "",
+        host_async: bool = False,
+    ) -> int:
+        """Append one op; returns its id (its index, which ``deps`` refer to)."""
+        op = ProgramOp(
+            op_id=len(self.ops), stream=stream, kind=kind, name=name, unit=unit, microbatch=microbatch,
+            duration_s=duration_s, deps=deps, allocs=allocs, frees=frees, end_allocs=end_allocs,
+            start_frees=start_frees, group=group, bytes=bytes, algorithm=algorithm, host_async=host_async,
+        )
+        self.ops.append(op)
+        return op.op_id
+
+    def add_frees(self, op_id: int, *labels: str) -> None:
+        """Free ``labels`` when an op already written ends: what a later host action releases once
+        that op's stream has passed it (FSDP2's last reduce-scatter input, dropped in the final
+        callback)."""
+        op = self.ops[op_id]
+        self.ops[op_id] = replace(op, frees=op.frees + labels)

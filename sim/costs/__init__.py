@@ -1,0 +1,1 @@
+"""Pure cost functions: the time of a collective and of the computation, from a profile."""

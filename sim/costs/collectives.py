@@ -1,0 +1,83 @@
+"""Time of one collective, from a hardware profile. Pure functions.
+
+nccl-tests (doc/PERFORMANCE.md) defines for a collective of ``size`` bytes on n ranks taking t:
+algbw = size / t and busbw = algbw * factor, with factor (n-1)/n for all-gather (size = output)
+and reduce-scatter (size = input) and 2(n-1)/n for all-reduce. Inverting gives the ring model
+t = latency + size * factor / busbw; busbw is the per-rank link bandwidth a ring achieves.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.core.topology import GroupShape
+from sim.hardware.schema import CollectiveCurve, HardwareProfile, LinkModel
+
+RING = "ring"  # the α–β model is a ring: each rank sends size * bus_factor over its link
+MEASURED = "measured"  # a calibrated curve: whatever the backend chose at that size
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveCost:
+    """One collective's time and the algorithm the model assumes for it."""
+
+    time_s: float
+    algorithm: str
+
+
+def bus_factor(collective: str, group_size: int) -> float:
+    """nccl-tests' busbw/algbw ratio: the fraction of ``size`` each rank sends over its link."""
+    n = group_size
+    if collective == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    raise ValueError(f"unknown collective {collective!r}")
+
+
+def wire_bytes_per_rank(collective: str, size_bytes: int, group_size: int) -> float:
+    """Bytes each rank sends in a ring implementation (e.g. all-gather: size*(n-1)/n)."""
+    return size_bytes * bus_factor(collective, group_size)
+
+
+def alpha_beta_time_s(collective: str, size_bytes: int, group_size: int, link: LinkModel) -> float:
+    return link.latency_s + wire_bytes_per_rank(collective, size_bytes, group_size) / link.bus_bw_Bps
+
+
+def _curve_time_s(curve: CollectiveCurve, size_bytes: int) -> float:
+    """Interpolate the measured mean times in log-size/log-time; the α–β fit outside the range."""
+    sizes = curve.sizes_bytes
+    if size_bytes in sizes:
+        return curve.times_s[sizes.index(size_bytes)]
+    if not sizes[0] <= size_bytes <= sizes[-1]:
+        return alpha_beta_time_s(curve.collective, size_bytes, curve.group_size, curve.fit)
+    log_t = np.interp(math.log(size_bytes), np.log(sizes), np.log(curve.times_s))
+    return float(math.exp(log_t))
+
+
+def collective_cost(
+    collective: str, size_bytes: int, group: GroupShape, dtype: str, profile: HardwareProfile
+) -> CollectiveCost:
+    """One collective of nccl-tests ``size_bytes`` over ``group``; 0 s for a group of one.
+
+    Measured curves and calibrated fits are wall-clock times that already contain the host's
+    launch cost; a datasheet link model does not, so ``collective_launch_s`` is added to it only.
+    """
+    if group.size <= 1 or size_bytes <= 0:
+        return CollectiveCost(time_s=0.0, algorithm=RING)
+    curve = profile.curve(collective, group.size, dtype, group.spans_nodes)
+    if curve is not None:
+        return CollectiveCost(time_s=_curve_time_s(curve, size_bytes), algorithm=MEASURED)
+    link = profile.inter_node if group.spans_nodes else profile.intra_node
+    launch = 0.0 if profile.calibrated else profile.backend.collective_launch_s
+    return CollectiveCost(
+        time_s=launch + alpha_beta_time_s(collective, size_bytes, group.size, link), algorithm=RING
+    )
+
+
+def collective_time_s(
+    collective: str, size_bytes: int, group: GroupShape, dtype: str, profile: HardwareProfile
+) -> float:
+    """Seconds for one collective of nccl-tests ``size_bytes`` over ``group`` (``collective_cost``)."""
+    return collective_cost(collective, size_bytes, group, dtype, profile).time_s

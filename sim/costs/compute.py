@@ -1,0 +1,233 @@
+"""Time and activation memory of the computation, per segment. Pure functions of a profile.
+
+Without calibration, an op takes flops / (peak * efficiency) + memory_bytes / HBM bandwidth
+(a roofline sum: matmuls are compute-bound, norms and activations memory-bound); backward is
+twice forward (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters", Sec. 5.1). A ``compute`` section in the profile (written by ``calibrate compute``)
+replaces these with measurements: each group (embedding, decoder block, head) is scaled so that
+its total equals the measured time or bytes, which keeps the split between the ops of a group
+(needed for ``linear`` wrapping) from the analytic model.
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from sim.dtypes import dtype_bytes
+from sim.errors import UserError
+from sim.hardware.compute_section import MODEL_FIELDS, ComputeSection, UnitMeasurement
+from sim.hardware.schema import HardwareProfile
+from sim.workload.layers import CalibrationGroup, LayerOp, Workload, layer_ops
+from sim.workload.model import ModelConfig
+from sim.workload.options import OptimizerName
+from sim.workload.units import Segment
+
+# Bytes AdamW and SGD-with-momentum move per fp32 element: AdamW reads param, grad, exp_avg,
+# exp_avg_sq and writes param, exp_avg, exp_avg_sq (7 x 4 B); SGD reads param, grad, momentum
+# and writes param, momentum (5 x 4 B).
+OPTIMIZER_BYTES_PER_ELEMENT = {OptimizerName.ADAMW: 28, OptimizerName.SGD: 20, OptimizerName.NONE: 0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupScale:
+    """Measured / analytic ratios for one calibration group (1.0 everywhere when uncalibrated)."""
+
+    forward: float = 1.0
+    backward: float = 1.0
+    recompute: float = 1.0
+    saved: float = 1.0
+    forward_transient: float = 1.0
+    backward_transient: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentFigures:
+    """Everything the schedules need to know about one segment's computation."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    saved_bytes: int
+    forward_transient_bytes: int
+    backward_transient_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeCosts:
+    """The compute cost model for one scenario on one profile."""
+
+    peak_flops: float
+    efficiency: float
+    hbm_bandwidth_Bps: float
+    copy_Bps: float
+    optimizer_s_per_element: float
+    # FSDP2's measured host work around each unit (hooks, DTensor, allocation), per unit and pass;
+    # zero unless the host is the device (on a GPU it runs ahead of the kernels)
+    fsdp_forward_overhead_s: float = 0.0
+    fsdp_backward_overhead_s: float = 0.0
+    scales: Mapping[CalibrationGroup, GroupScale] = field(default_factory=dict)
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.scales)
+
+    def op_forward_s(self, op: LayerOp) -> float:
+        """Uncalibrated forward time of one op (roofline sum)."""
+        return op.flops / (self.peak_flops * self.efficiency) + op.memory_bytes / self.hbm_bandwidth_Bps
+
+    def _scale(self, op: LayerOp, quantity: str) -> float:
+        scale = self.scales.get(op.group) if op.group else None
+        return 1.0 if scale is None else float(getattr(scale, quantity))
+
+    def figures(self, seg: Segment) -> SegmentFigures:
+        """A segment's times and bytes (the step computes them once per segment)."""
+
+        def total(quantity: str, factor: float = 1.0) -> float:
+            return sum(factor * self.op_forward_s(op) * self._scale(op, quantity) for op in seg.ops)
+
+        def largest(quantity: str) -> int:
+            # ops run one after another, so a segment's transient is its largest op's
+            return round(max(getattr(op, f"{quantity}_bytes") * self._scale(op, quantity) for op in seg.ops))
+
+        return SegmentFigures(
+            forward_s=total("forward"),
+            backward_s=total("backward", 2.0),
+            recompute_s=total("recompute"),
+            saved_bytes=round(sum(op.saved_bytes * self._scale(op, "saved") for op in seg.ops)),
+            forward_transient_bytes=largest("forward_transient"),
+            backward_transient_bytes=largest("backward_transient"),
+        )
+
+    def copy_s(self, nbytes: float) -> float:
+        """A device-to-device copy of ``nbytes`` (FSDP2 all-gather copy-out, reduce-scatter copy-in)."""
+        return nbytes / self.copy_Bps
+
+    def optimizer_s(self, numel: int) -> float:
+        return numel * self.optimizer_s_per_element
+
+
+def _group_ops(ops: Sequence[LayerOp], group: CalibrationGroup) -> list[LayerOp]:
+    """One instance of ``group``: the embedding, the first decoder block, or the head."""
+    return [op for op in ops if op.group is group and op.block in (None, 0)]
+
+
+def _ratio(measured: float, analytic: float) -> float:
+    return measured / analytic if analytic > 0 else 1.0
+
+
+def _group_scale(costs: ComputeCosts, members: list[LayerOp], measured: UnitMeasurement) -> GroupScale:
+    fwd = sum(costs.op_forward_s(op) for op in members)
+    recompute = measured.recompute_s if measured.recompute_s > 0 else measured.forward_s
+    return GroupScale(
+        forward=_ratio(measured.forward_s, fwd),
+        backward=_ratio(measured.backward_s, 2.0 * fwd),
+        recompute=_ratio(recompute, fwd),
+        saved=_ratio(measured.saved_activation_bytes, sum(op.saved_bytes for op in members)),
+        forward_transient=_ratio(
+            measured.forward_transient_bytes, max(op.forward_transient_bytes for op in members)
+        ),
+        backward_transient=_ratio(
+            measured.backward_transient_bytes, max(op.backward_transient_bytes for op in members)
+        ),
+    )
+
+
+def _analytic_costs(profile: HardwareProfile, dtype: str, optimizer: OptimizerName, where: str) -> ComputeCosts:
+    device = profile.device
+    if dtype not in device.peak_flops:
+        raise UserError(
+            f"{where}: device.peak_flops has no {dtype} entry; has: {', '.join(device.peak_flops)}"
+        )
+    return ComputeCosts(
+        peak_flops=device.peak_flops[dtype],
+        efficiency=device.compute_efficiency,
+        hbm_bandwidth_Bps=device.hbm_bandwidth_Bps,
+        copy_Bps=device.hbm_bandwidth_Bps / 2.0,  # a copy reads and writes every byte
+        optimizer_s_per_element=OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / device.hbm_bandwidth_Bps,
+    )
+
+
+def check_compute_matches(
+    compute: ComputeSection, model: ModelConfig, micro_batch: int, seq_len: int, param_dtype: str, where: str
+) -> None:
+    """Refuse a compute section measured at other dimensions than the scenario's.
+
+    Compares every model dimension (tie_embeddings included), the micro-batch, the sequence
+    length and the compute dtype, and names each mismatch.
+    """
+    wrong = [
+        f"model.{f}={getattr(compute.dims, f)!r} (scenario: {getattr(model, f)!r})"
+        for f in MODEL_FIELDS
+        if getattr(compute.dims, f) != getattr(model, f)
+    ]
+    for key, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("param_dtype", param_dtype)):
+        if getattr(compute, key) != value:
+            wrong.append(f"{key}={getattr(compute, key)!r} (scenario: {value!r})")
+    if wrong:
+        raise UserError(
+            f"{where}: its compute section was measured at other dimensions: {'; '.join(wrong)}. "
+            "Run `fsdpsim calibrate compute SCENARIO --profile PROFILE` for this scenario, or set "
+            "cluster.compute_scaling = true to scale the measurements by the analytic model"
+        )
+
+
+def _measured_workload(
+    compute: ComputeSection, profile: HardwareProfile, optimizer: OptimizerName, where: str
+) -> tuple[Sequence[LayerOp], ComputeCosts]:
+    """The layer ops and analytic costs at the dimensions the compute section was measured at."""
+    d = compute.dims
+    model = ModelConfig(name="measured", **{f: getattr(d, f) for f in MODEL_FIELDS})
+    workload = Workload(
+        micro_batch=compute.micro_batch,
+        seq_len=compute.seq_len,
+        act_bytes=dtype_bytes(compute.param_dtype),
+        attention_kernel=profile.backend.attention_kernel,
+    )
+    return layer_ops(model, workload), _analytic_costs(profile, compute.param_dtype, optimizer, where)
+
+
+def build_compute_costs(
+    profile: HardwareProfile,
+    ops: Sequence[LayerOp],
+    *,
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    param_dtype: str,
+    optimizer: OptimizerName,
+    allow_scaling: bool = False,
+    fsdp: bool = True,
+) -> ComputeCosts:
+    """The cost model for ``param_dtype`` work on ``profile``, calibrated when the profile has a
+    compute section. A section measured at other dimensions is refused, unless ``allow_scaling``:
+    then each group's measured/analytic ratios, taken at the measured dimensions, scale the
+    analytic model at the scenario's. ``fsdp`` picks the optimizer measured on FSDP2's DTensor
+    shards (else on plain tensors, as DDP holds them)."""
+    where = f"profile {profile.name}"
+    costs = _analytic_costs(profile, param_dtype, optimizer, where)
+    compute = profile.compute
+    if compute is None:
+        return costs
+    measured_ops, measured_costs = ops, costs
+    try:
+        check_compute_matches(compute, model, micro_batch, seq_len, param_dtype, where)
+    except UserError:
+        if not allow_scaling:
+            raise
+        measured_ops, measured_costs = _measured_workload(compute, profile, optimizer, where)
+    scales = {
+        group: _group_scale(measured_costs, _group_ops(measured_ops, group), compute.units[group.value])
+        for group in CalibrationGroup
+    }
+    per_param = compute.fsdp_optimizer_s_per_param if fsdp else compute.optimizer_s_per_param
+    optimizer_s = per_param.get(optimizer.value, costs.optimizer_s_per_element) if optimizer.value != "none" else 0.0
+    in_step = compute.host_overhead_in_step
+    return ComputeCosts(
+        peak_flops=costs.peak_flops,
+        efficiency=costs.efficiency,
+        hbm_bandwidth_Bps=costs.hbm_bandwidth_Bps,
+        copy_Bps=compute.copy_Bps,
+        optimizer_s_per_element=optimizer_s,
+        fsdp_forward_overhead_s=compute.fsdp_forward_overhead_s if in_step else 0.0,
+        fsdp_backward_overhead_s=compute.fsdp_backward_overhead_s if in_step else 0.0,
+        scales=scales,
+    )

@@ -1,0 +1,142 @@
+"""The profile's ``compute`` section, typed: per-unit measurements of one model at one micro-batch,
+sequence length and dtype, written by ``calibrate compute`` and read by ``sim.costs.compute``.
+
+JSON shape::
+
+    "compute": {
+      "model": {n_layers, hidden, n_heads, n_kv_heads, ffn_hidden, vocab, tie_embeddings},
+      "micro_batch": int, "seq_len": int, "param_dtype": "fp32" | "bf16",
+      "units": {"embed": U, "block": U, "head": U},
+      "copy_Bps": float,
+      "optimizer_s_per_param": {"adamw": float, "sgd": float},          # plain tensors (DDP)
+      "fsdp_optimizer_s_per_param": {"adamw": float, "sgd": float},     # DTensor shards (FSDP2)
+      "fsdp_unit_overhead_s": {"forward": float, "backward": float},    # FSDP2's host work per unit
+      "host_overhead_in_step": bool,   # true where the host is the device (CPU): the overhead adds up
+      "compute_slowdown_during_collective": float
+    }
+    U = {forward_s, backward_s, recompute_s (block only, else 0), saved_activation_bytes,
+         forward_transient_bytes, backward_transient_bytes}
+
+``head`` is the final RMSNorm, the lm_head and HF's causal-LM cross-entropy loss; ``embed`` is the
+token embedding (the rotary tables are not part of any unit; ``sim.workload.layers`` models them).
+Unit times are means measured inside the real model (``calibrate.context_timing``); FSDP2's
+per-unit host overhead and its DTensor optimizer are measured with the real ``fully_shard``
+(``calibrate.fsdp_overhead``). On a GPU the host runs ahead of the device, so the host overhead
+is recorded but not added to the step (``host_overhead_in_step`` false).
+Transients are defined the way the simulator's memory ledger uses them: while a unit runs forward
+the ledger holds its saved activations plus ``forward_transient_bytes``, so that field is the
+unit's peak above what was allocated when it started, less its saved bytes; while it runs
+backward the ledger holds ``backward_transient_bytes`` on top of everything live when it started
+(its gradients appear when it finishes), so that field is the peak above the start.
+"""
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from sim.hardware.json_reader import JsonReader
+
+UNITS = ("embed", "block", "head")
+MODEL_FIELDS = ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitMeasurement:
+    """One unit's measured times (s, means) and bytes."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    saved_activation_bytes: int
+    forward_transient_bytes: int
+    backward_transient_bytes: int
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+UNIT_FIELDS = tuple(f.name for f in fields(UnitMeasurement))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredDims:
+    """The model dimensions the section was measured at (the fields of ``ModelConfig`` it depends on)."""
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    tie_embeddings: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeSection:
+    dims: MeasuredDims
+    micro_batch: int
+    seq_len: int
+    param_dtype: str
+    units: Mapping[str, UnitMeasurement]
+    copy_Bps: float
+    optimizer_s_per_param: Mapping[str, float]  # plain tensors (DDP)
+    fsdp_optimizer_s_per_param: Mapping[str, float]  # DTensor shards (FSDP2)
+    fsdp_forward_overhead_s: float
+    fsdp_backward_overhead_s: float
+    host_overhead_in_step: bool
+    compute_slowdown_during_collective: float = 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as the profile's JSON stores it."""
+        return {
+            "model": asdict(self.dims),
+            "micro_batch": self.micro_batch,
+            "seq_len": self.seq_len,
+            "param_dtype": self.param_dtype,
+            "units": {name: self.units[name].to_dict() for name in UNITS},
+            "copy_Bps": self.copy_Bps,
+            "optimizer_s_per_param": dict(self.optimizer_s_per_param),
+            "fsdp_optimizer_s_per_param": dict(self.fsdp_optimizer_s_per_param),
+            "fsdp_unit_overhead_s": {"forward": self.fsdp_forward_overhead_s, "backward": self.fsdp_backward_overhead_s},
+            "host_overhead_in_step": self.host_overhead_in_step,
+            "compute_slowdown_during_collective": self.compute_slowdown_during_collective,
+        }
+
+
+def _per_optimizer(r: JsonReader, key: str) -> dict[str, float]:
+    table = r.sub(key)
+    return {opt: table.number(opt) for opt in OPTIMIZERS}
+
+
+def _dims(r: JsonReader) -> MeasuredDims:
+    m = r.sub("model")
+    ints = {f: int(m.get(f, int)) for f in MODEL_FIELDS if f != "tie_embeddings"}
+    return MeasuredDims(**ints, tie_embeddings=m.get("tie_embeddings", bool))
+
+
+def parse_compute_section(data: Any, where: str) -> ComputeSection:
+    """The typed section; a missing or malformed field is a ``UserError`` naming ``where`` and it."""
+    r = JsonReader(data, where, "compute")
+    units = r.sub("units")
+    measured = {}
+    for name in UNITS:
+        u = units.sub(name)
+        measured[name] = UnitMeasurement(
+            **{f: (u.number(f) if f.endswith("_s") else round(u.number(f))) for f in UNIT_FIELDS}
+        )
+    overhead = r.sub("fsdp_unit_overhead_s")
+    return ComputeSection(
+        dims=_dims(r),
+        micro_batch=int(r.get("micro_batch", int)),
+        seq_len=int(r.get("seq_len", int)),
+        param_dtype=r.get("param_dtype", str),
+        units=measured,
+        copy_Bps=r.positive("copy_Bps"),
+        optimizer_s_per_param=_per_optimizer(r, "optimizer_s_per_param"),
+        fsdp_optimizer_s_per_param=_per_optimizer(r, "fsdp_optimizer_s_per_param"),
+        fsdp_forward_overhead_s=overhead.number("forward"),
+        fsdp_backward_overhead_s=overhead.number("backward"),
+        host_overhead_in_step=r.get("host_overhead_in_step", bool),
+        compute_slowdown_during_collective=r.number("compute_slowdown_during_collective", 1.0, 1.0),
+    )

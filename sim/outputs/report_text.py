@@ -1,0 +1,54 @@
+"""The human summary ``fsdpsim run`` prints (GiB and milliseconds; the JSON keeps bytes and seconds)."""
+
+from sim.core.events import MemoryCategory
+from sim.outputs.display import gib, ms
+from sim.outputs.report import COLLECTIVE_KINDS, StepReport
+
+
+def _padding_lines(r: StepReport) -> list[str]:
+    if r.padding is None:
+        return []
+    p = r.padding
+    return [
+        f"  padding       real tokens only: {p.avg_seq_len:,} of {p.seq_len:,} per sequence "
+        f"({p.avg_seq_len / p.seq_len:.0%}); MFU includes the padding"
+    ]
+
+
+def _share(part_s: float, step_s: float) -> str:
+    return f"{part_s / step_s:.0%}" if step_s > 0 else "-"
+
+
+def format_table(r: StepReport) -> str:
+    b, step = r.breakdown, r.step_time_s
+    lines = [
+        f"scenario      {r.scenario}",
+        f"model         {r.model} ({r.n_params:,} params)",
+        f"parallel      {r.strategy}, wrap={r.wrap} ({r.n_units} units), {r.world_size} ranks",
+        f"profile       {r.profile}" + ("" if r.profile_calibrated else " (datasheet, not calibrated)"),
+        "",
+        f"step time     {ms(step)}",
+        f"  compute       {ms(b.compute_s)} ({_share(b.compute_s, step)})",
+        f"  exposed comm  {ms(b.exposed_comm_s)} ({_share(b.exposed_comm_s, step)})",
+        f"  idle          {ms(b.idle_s)} ({_share(b.idle_s, step)})",
+        f"throughput    {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_gpu:,.0f} per rank), "
+        f"MFU {r.mfu:.1%} (HFU {r.hfu:.1%})",
+        *_padding_lines(r),
+        "",
+        f"peak memory   {gib(r.peak_memory_bytes)} of {gib(r.device_memory_bytes)} on rank {r.peak_memory_rank}: "
+        + ("fits" if r.fits else f"DOES NOT FIT by {gib(-r.memory_headroom_bytes)}"),
+    ]
+    lines += [f"  {c.value:<12}{gib(r.memory_at_peak[c]):>14}" for c in MemoryCategory]
+    state = r.model_state
+    lines += [
+        f"model state   {gib(state.total)} per rank (params {gib(state.params)}, grads {gib(state.grads)}, "
+        f"optimizer {gib(state.optimizer)})",
+        f"  ZeRO-paper convention (2+2+12 B/param): {gib(r.model_state_bytes_deepspeed_convention)}",
+        "",
+        "collectives per step (rank 0):",
+    ]
+    for kind in COLLECTIVE_KINDS:
+        t = r.collectives.get(kind)
+        if t:
+            lines.append(f"  {kind.value:<15}{t.count:>6} x, {gib(t.bytes)} total, {ms(t.time_s)}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Scenario files: TOML in, a frozen, fully resolved ``Scenario`` out."""

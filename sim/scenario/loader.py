@@ -1,0 +1,190 @@
+"""Scenario files: TOML in, a frozen ``Scenario`` out, every mistake named by file and key.
+
+Each section is a small keyword-only frozen dataclass; the loader checks unknown keys (with a
+did-you-mean), types and allowed values, then cross-field rules. ``--set a.b=value`` overrides
+go through the same checks.
+"""
+
+import difflib
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import MISSING, fields, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from sim.dtypes import canonical_dtype
+from sim.errors import UserError
+from sim.hardware.registry import load_profile
+from sim.scenario.sections import SECTIONS, ClusterSection, ModelSection, Scenario
+from sim.workload.model import ModelConfig, preset
+from sim.workload.options import Strategy
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type) and issubclass(tp, StrEnum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, name: str, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert (int -> float, str -> enum)."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        if value is None and type(None) in args:
+            return None
+        return _coerce(value, inner[0], name, where)
+    if isinstance(tp, type) and issubclass(tp, StrEnum):
+        allowed = [m.value for m in tp]
+        matches = [m for m in tp if isinstance(value, str) and m.value.lower() == value.lower()]
+        if not matches:
+            raise UserError(f"{where}: {name} = {value!r} is not allowed; allowed: {', '.join(allowed)}")
+        return matches[0]
+    ok = (
+        (tp is bool and isinstance(value, bool))
+        or (tp is int and isinstance(value, int) and not isinstance(value, bool))
+        or (tp is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (tp is str and isinstance(value, str))
+    )
+    if not ok:
+        raise UserError(f"{where}: {name} must be {_type_name(tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _did_you_mean(key: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(key, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f"; allowed: {', '.join(options)}"
+
+
+def _build_section(name: str, cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: [{name}] must be a table")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls)]
+    for key in raw:
+        if key not in known:
+            raise UserError(f"{where}: unknown key {name}.{key}{_did_you_mean(key, known)}")
+    values = {k: _coerce(v, hints[k], f"{name}.{k}", where) for k, v in raw.items()}
+    return cls(**values)
+
+
+def _resolve_model(section: ModelSection, where: str) -> ModelConfig:
+    dims = {f.name: getattr(section, f.name) for f in fields(section) if f.name != "preset"}
+    given = {k: v for k, v in dims.items() if v is not None}
+    if section.preset is not None:
+        cfg = replace(preset(section.preset, where), **given)
+        if given:
+            cfg = replace(cfg, name=f"{cfg.name}*")
+    else:
+        required = [f.name for f in fields(ModelConfig) if f.default is MISSING and f.name not in given]
+        if required:
+            raise UserError(f"{where}: model needs model.preset or all of: {', '.join(required)}")
+        cfg = ModelConfig(name="custom", **given)
+    cfg.check(where)
+    return cfg
+
+
+def _check(s: Scenario, where: str) -> None:
+    def positive(name: str, value: float) -> None:
+        if value <= 0:
+            raise UserError(f"{where}: {name} must be > 0, got {value}")
+
+    for name in ("micro_batch", "seq_len", "grad_accum"):
+        positive(f"training.{name}", getattr(s.training, name))
+    avg = s.training.avg_seq_len
+    if avg is not None and not 0 < avg <= s.training.seq_len:
+        raise UserError(
+            f"{where}: training.avg_seq_len must be in [1, training.seq_len = {s.training.seq_len}], got {avg}"
+        )
+    p = s.parallel
+    positive("parallel.world_size", p.world_size)
+    positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb)
+    if p.forward_prefetch < 0 or p.backward_prefetch < 0:
+        raise UserError(f"{where}: parallel.forward_prefetch and parallel.backward_prefetch must be >= 0")
+    for name in ("param_dtype", "reduce_dtype"):
+        value = getattr(s.precision, name)
+        if value is not None:
+            try:
+                canonical_dtype(value)
+            except UserError as e:
+                raise UserError(f"{where}: precision.{name}: {e}") from None
+    if p.shard_group_size is not None:
+        positive("parallel.shard_group_size", p.shard_group_size)
+    if p.strategy is Strategy.HYBRID_SHARD:
+        g = s.shard_group_size
+        if g <= 0 or p.world_size % g:
+            raise UserError(
+                f"{where}: parallel.world_size ({p.world_size}) must be divisible by parallel.shard_group_size ({g})"
+            )
+    elif p.shard_group_size is not None:
+        raise UserError(f"{where}: parallel.shard_group_size applies only to strategy HYBRID_SHARD")
+    sim = s.simulation
+    if sim.compute_jitter < 0:
+        raise UserError(f"{where}: simulation.compute_jitter must be >= 0")
+    positive("simulation.slow_rank_factor", sim.slow_rank_factor)
+    if sim.slow_rank is not None and not 0 <= sim.slow_rank < p.world_size:
+        raise UserError(
+            f"{where}: simulation.slow_rank must be in [0, {p.world_size - 1}], got {sim.slow_rank}"
+        )
+
+
+def _gpus_per_node(cluster: ClusterSection, where: str) -> int:
+    """``cluster.gpus_per_node`` when given, else the profile's (the profile is read here, once)."""
+    if cluster.gpus_per_node is None:
+        return load_profile(cluster.profile, where=f"{where}: cluster.profile").gpus_per_node
+    if cluster.gpus_per_node <= 0:
+        raise UserError(f"{where}: cluster.gpus_per_node must be > 0, got {cluster.gpus_per_node}")
+    return cluster.gpus_per_node
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse ``section.key=value``; the value is read as TOML, else taken as a plain string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise UserError(f"--set {text!r}: expected section.key=value, e.g. parallel.world_size=64")
+    path, raw = text.split("=", 1)
+    section, key = path.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, key, value
+
+
+def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str] = ()) -> Scenario:
+    # a [sweep] table describes variants of this scenario; `fsdpsim sweep` reads it (sim.study.sweep.plan)
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items() if k != "sweep"}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            raise UserError(
+                f"--set {text!r}: unknown section {section!r}{_did_you_mean(section, list(SECTIONS))}"
+            )
+        if not isinstance(data.setdefault(section, {}), dict):
+            raise UserError(f"{where}: [{section}] must be a table")
+        data[section][key] = value
+    for name in data:
+        if name not in SECTIONS:
+            raise UserError(f"{where}: unknown section [{name}]{_did_you_mean(name, list(SECTIONS))}")
+    built = {name: _build_section(name, cls, data.get(name, {}), where) for name, cls in SECTIONS.items()}
+    model = _resolve_model(built.pop("model"), where)
+    scenario = Scenario(source=where, model=model, gpus_per_node=_gpus_per_node(built["cluster"], where), **built)
+    _check(scenario, where)
+    return scenario
+
+
+def read_scenario_toml(path: str | Path) -> dict[str, Any]:
+    """The tables of a scenario file (``[sweep]`` included), or a UserError naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: scenario file not found")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{p}: not valid TOML ({e})") from None
+
+
+def load_scenario(path: str | Path, overrides: Sequence[str] = ()) -> Scenario:
+    return scenario_from_dict(read_scenario_toml(path), str(path), overrides)

@@ -1,0 +1,138 @@
+"""The scenario's sections and the ``Scenario`` that composes them: small, frozen, keyword-only.
+
+Each field's type annotation is its validation rule (``sim.scenario.loader`` reads the hints);
+derived settings (the reduce dtype, the shard group, reshard-after-forward) are pure properties.
+Everything that depends on hardware (``gpus_per_node``) is resolved when the file is loaded, so
+a ``Scenario`` never reads a file.
+"""
+
+from dataclasses import dataclass
+
+from sim.workload.model import ModelConfig
+from sim.workload.options import CheckpointMode, OptimizerName, Strategy, WrapPolicy
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    preset: str | None = None
+    n_layers: int | None = None
+    hidden: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    vocab: int | None = None
+    tie_embeddings: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSection:
+    micro_batch: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    avg_seq_len: int | None = None  # mean real tokens per sequence padded to seq_len; None: no padding
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSection:
+    world_size: int = 8
+    strategy: Strategy = Strategy.FULL_SHARD
+    wrap: WrapPolicy = WrapPolicy.BLOCK
+    shard_group_size: int | None = None  # HYBRID_SHARD; default: cluster.gpus_per_node
+    reshard_after_forward: bool | None = None  # None: True for FULL/HYBRID_SHARD, False for SHARD_GRAD_OP
+    forward_prefetch: int = 0  # units all-gathered ahead explicitly in forward (set_modules_to_forward_prefetch)
+    backward_prefetch: int = 1  # units all-gathered ahead in backward; 1 is FSDP2's implicit default
+    ddp_bucket_mb: float = 25.0  # NO_SHARD: DistributedDataParallel bucket_cap_mb
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionSection:
+    param_dtype: str = "fp32"  # MixedPrecisionPolicy.param_dtype; master params stay fp32
+    reduce_dtype: str | None = None  # default: param_dtype
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSection:
+    name: OptimizerName = OptimizerName.ADAMW
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointingSection:
+    mode: CheckpointMode = CheckpointMode.NONE
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSection:
+    profile: str = "h100-sxm"  # built-in profile name or path to a calibrated JSON profile
+    gpus_per_node: int | None = None  # default: the profile's
+    compute_scaling: bool = False  # accept a compute section measured at other dimensions, scaled
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationSection:
+    seed: int = 0
+    compute_jitter: float = 0.0  # relative std-dev of each compute op's time, per rank
+    slow_rank: int | None = None
+    slow_rank_factor: float = 1.0  # e.g. 1.1: slow_rank's compute takes 10 % longer
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "training": TrainingSection,
+    "parallel": ParallelSection,
+    "precision": PrecisionSection,
+    "optimizer": OptimizerSection,
+    "checkpointing": CheckpointingSection,
+    "cluster": ClusterSection,
+    "simulation": SimulationSection,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    source: str
+    model: ModelConfig
+    training: TrainingSection
+    parallel: ParallelSection
+    precision: PrecisionSection
+    optimizer: OptimizerSection
+    checkpointing: CheckpointingSection
+    cluster: ClusterSection
+    simulation: SimulationSection
+    gpus_per_node: int  # cluster.gpus_per_node, else the profile's; resolved at load
+
+    @property
+    def param_dtype(self) -> str:
+        return self.precision.param_dtype
+
+    @property
+    def reduce_dtype(self) -> str:
+        return self.precision.reduce_dtype or self.precision.param_dtype
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        if self.parallel.reshard_after_forward is not None:
+            return self.parallel.reshard_after_forward
+        return self.parallel.strategy is not Strategy.SHARD_GRAD_OP
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks that hold one copy of the sharded state (the all-gather/reduce-scatter group)."""
+        strategy, k = self.parallel.strategy, self.parallel.world_size
+        if strategy is Strategy.NO_SHARD:
+            return 1
+        if strategy is Strategy.HYBRID_SHARD:
+            return self.parallel.shard_group_size or min(k, self.gpus_per_node)
+        return k
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Real (non-padding) tokens of one optimizer step over all ranks."""
+        t = self.training
+        real = t.seq_len if t.avg_seq_len is None else t.avg_seq_len
+        return t.micro_batch * real * t.grad_accum * self.parallel.world_size
+
+    @property
+    def tokens_processed_per_rank(self) -> int:
+        """Tokens the kernels process on one rank in one optimizer step, padding included."""
+        t = self.training
+        return t.micro_batch * t.seq_len * t.grad_accum

@@ -1,0 +1,1 @@
+"""What-if studies over many simulated steps: sweeps and the tuner."""

@@ -1,0 +1,1 @@
+"""``fsdpsim tune``: the fastest configuration that fits, found by bounded search."""

@@ -1,0 +1,40 @@
+"""FLOPs per token of a training step, as MFU and HFU count them.
+
+MFU follows torchtitan (``torchtitan/models/utils.py`` ``get_dense_model_nparams_and_flops``)
+and PaLM (Chowdhery et al. 2022, appendix B): model FLOPs per token = 6·N + 12·L·H·Q·T, where N
+is the parameter count less the token embedding (a lookup, not a matmul; with tied embeddings the
+shared weight is the head's matmul and counts), L the layers, H the
+attention heads, Q the head dimension and T the sequence length. 6·N is the forward (2·N) and
+backward (4·N) of every weight matmul; 12·L·H·Q·T the two attention matmuls (QKᵀ and AV, 2·T·H·Q
+multiply-adds each per token) forward and backward, without discounting causal masking and
+without the flash-attention backward's recomputation. HFU adds what the hardware computes again:
+with full activation checkpointing every block's forward, 2·N_blocks + 4·L·H·Q·T per token.
+Both are divided by the dense peak of the compute dtype.
+"""
+
+from sim.workload.model import ModelConfig, layer_params, n_params
+
+
+def matmul_params(model: ModelConfig) -> int:
+    """N of the formula: every parameter but an untied token embedding."""
+    return n_params(model) - (0 if model.tie_embeddings else model.vocab * model.hidden)
+
+
+def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs of the attention matmuls per token, all layers: 4·L·H·Q·T."""
+    return 4.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
+
+
+def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """torchtitan's and PaLM's 6·N + 12·L·H·Q·T."""
+    return 6.0 * matmul_params(model) + 3.0 * attention_flops_per_token(model, seq_len)
+
+
+def recompute_flops_per_token(model: ModelConfig, seq_len: int, checkpointed_blocks: int) -> float:
+    """The forward FLOPs activation checkpointing runs again per token: every checkpointed
+    block's weight matmuls and attention."""
+    if checkpointed_blocks == 0:
+        return 0.0
+    block_params = sum(p.numel for p in layer_params(model, 0))
+    per_block = 2.0 * block_params + attention_flops_per_token(model, seq_len) / model.n_layers
+    return checkpointed_blocks * per_block

@@ -1,0 +1,250 @@
+"""The forward computation of a Llama step as a list of layer ops, with FLOPs and activation bytes.
+
+Activation bytes follow what HF ``LlamaForCausalLM`` saves for backward in eager PyTorch
+(per token, ``a`` = activation dtype bytes, fp32 internals of RMSNorm and the loss):
+- RMSNorm: the fp32 copy of its input (4h; the input itself when it already is fp32), the
+  normalized input cast back (a*h) that the weight multiply saves, the fp32 rsqrt (4), and its
+  output (a*h), which the following projections save.
+- Rotary embedding: the cos and sin tables (seq * head_dim * a each), once per forward.
+- Attention: RoPE'd q and k, v and the output (a*(2*q_dim + 2*kv_dim)) plus the fp32 log-sum-exp
+  (4*n_heads) with flash/memory-efficient kernels; the math path adds the fp32 softmax and its
+  cast (n_heads*seq*(4 + a)) — Korthikanti et al. 2022, "Reducing Activation Recomputation", Sec. 4.
+- SwiGLU MLP: gate output, SiLU output, up output and their product (4*a*ffn).
+- Loss: the fp32 log-softmax (4*vocab) and the shifted int64 labels. The logits are not saved;
+  they live only while the loss is computed (a training loop that keeps ``outputs.logits``
+  through backward holds a*vocab more per token).
+Residual adds save nothing. Linear layers save their input, which is counted at its producer.
+Forward FLOPs are 2*in*out per token for a linear; attention is 4*seq*q_dim per token, halved
+for causal masking with flash kernels; backward is twice the forward (Narayanan et al. 2021).
+"""
+
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cache, cached_property
+
+from sim.dtypes import INDEX_BYTES
+from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
+
+FP32_BYTES = 4
+
+
+class LayerKind(StrEnum):
+    EMBED = "embed"
+    NORM = "norm"
+    LINEAR = "linear"
+    ATTENTION = "attention"
+    MLP_ACT = "mlp_act"
+    ROTARY = "rotary"
+    LOSS = "loss"
+
+
+class CalibrationGroup(StrEnum):
+    """Groups of layer ops whose times ``calibrate compute`` measures as one."""
+
+    EMBED = "embed"
+    BLOCK = "block"
+    HEAD = "head"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerOp:
+    """One piece of the forward pass, in execution order.
+
+    ``module`` is the module that runs it (FSDP hooks fire on wrapped modules that contain it);
+    ``memory_bytes`` is the traffic of its memory-bound (elementwise) work in forward.
+    """
+
+    name: str
+    module: str
+    kind: LayerKind
+    block: int | None
+    params: tuple[ParamSpec, ...]
+    flops: float
+    memory_bytes: float
+    saved_bytes: int
+    forward_transient_bytes: int = 0
+    backward_transient_bytes: int = 0
+
+    @cached_property
+    def group(self) -> CalibrationGroup | None:
+        """The measured group this op belongs to; None for work ``calibrate compute`` does not time."""
+        if self.block is not None:
+            return CalibrationGroup.BLOCK
+        if self.kind is LayerKind.ROTARY:
+            return None
+        return CalibrationGroup.EMBED if self.kind is LayerKind.EMBED else CalibrationGroup.HEAD
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one micro-batch looks like to the kernels."""
+
+    micro_batch: int
+    seq_len: int
+    act_bytes: int  # activation dtype (param_dtype under FSDP2 MixedPrecisionPolicy)
+    attention_kernel: str  # "flash" or "math"
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+def _norm(name: str, params: tuple[ParamSpec, ...], h: int, w: Workload, block: int | None) -> LayerOp:
+    t, a = w.tokens, w.act_bytes
+    return LayerOp(
+        name=name,
+        module=name,
+        kind=LayerKind.NORM,
+        block=block,
+        params=params,
+        flops=0.0,
+        memory_bytes=t * h * (a + FP32_BYTES) * 2.0,
+        saved_bytes=t * (h * (FP32_BYTES + 2 * a) + FP32_BYTES),
+    )
+
+
+def _linear(spec: ParamSpec, w: Workload, block: int | None) -> LayerOp:
+    out_features, in_features = spec.shape
+    return LayerOp(
+        name=spec.module,
+        module=spec.module,
+        kind=LayerKind.LINEAR,
+        block=block,
+        params=(spec,),
+        flops=2.0 * w.tokens * in_features * out_features,
+        memory_bytes=0.0,
+        saved_bytes=0,
+    )
+
+
+def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
+    t, a, s = w.tokens, w.act_bytes, w.seq_len
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_dim
+    flash = w.attention_kernel == "flash"
+    saved = t * (a * (2 * q_dim + 2 * kv_dim) + FP32_BYTES * cfg.n_heads)
+    fwd_transient = bwd_transient = 0
+    if flash:
+        bwd_transient = t * q_dim * FP32_BYTES  # fp32 dq accumulator of the flash backward
+    else:
+        scores = t * cfg.n_heads * s
+        saved += scores * (FP32_BYTES + a)
+        fwd_transient = scores * FP32_BYTES
+        bwd_transient = 2 * scores * FP32_BYTES
+    return LayerOp(
+        name=f"{layer_prefix(i)}.self_attn.attention",
+        module=f"{layer_prefix(i)}.self_attn",
+        kind=LayerKind.ATTENTION,
+        block=i,
+        params=(),
+        flops=4.0 * t * s * q_dim * (0.5 if flash else 1.0),
+        memory_bytes=3.0 * t * (q_dim + kv_dim) * a,  # RoPE on q and k
+        saved_bytes=saved,
+        forward_transient_bytes=fwd_transient,
+        backward_transient_bytes=bwd_transient,
+    )
+
+
+def _mlp_act(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
+    t, a, f = w.tokens, w.act_bytes, cfg.ffn_hidden
+    return LayerOp(
+        name=f"{layer_prefix(i)}.mlp.act",
+        module=f"{layer_prefix(i)}.mlp",
+        kind=LayerKind.MLP_ACT,
+        block=i,
+        params=(),
+        flops=0.0,
+        memory_bytes=4.0 * t * f * a,
+        saved_bytes=4 * t * f * a,
+        backward_transient_bytes=2 * t * f * a,
+    )
+
+
+def block_ops(cfg: ModelConfig, i: int, w: Workload) -> list[LayerOp]:
+    """Decoder layer ``i`` in HF execution order."""
+    q, k, v, o, gate, up, down, norm1, norm2 = layer_params(cfg, i)
+    p = layer_prefix(i)
+    return [
+        _norm(f"{p}.input_layernorm", (norm1,), cfg.hidden, w, i),
+        _linear(q, w, i),
+        _linear(k, w, i),
+        _linear(v, w, i),
+        _attention(cfg, i, w),
+        _linear(o, w, i),
+        _norm(f"{p}.post_attention_layernorm", (norm2,), cfg.hidden, w, i),
+        _linear(gate, w, i),
+        _linear(up, w, i),
+        _mlp_act(cfg, i, w),
+        _linear(down, w, i),
+    ]
+
+
+def model_buffer_bytes(cfg: ModelConfig) -> int:
+    """HF's LlamaRotaryEmbedding keeps ``inv_freq`` and ``original_inv_freq`` (head_dim/2 fp32 each);
+    FSDP does not shard buffers."""
+    return 2 * (cfg.head_dim // 2) * FP32_BYTES
+
+
+@cache
+def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
+    """Every op of one forward pass in execution order: embedding, blocks, final norm, head, loss."""
+    specs = {s.name: s for s in param_specs(cfg)}
+    t, a, vocab = w.tokens, w.act_bytes, cfg.vocab
+    embed = specs["model.embed_tokens.weight"]
+    head_spec = specs.get("lm_head.weight", embed)
+    ops = [
+        LayerOp(
+            name="model.embed_tokens",
+            module="model.embed_tokens",
+            kind=LayerKind.EMBED,
+            block=None,
+            params=(embed,),
+            flops=0.0,
+            memory_bytes=float(t * cfg.hidden * a),
+            saved_bytes=t * INDEX_BYTES,  # the token ids
+        ),
+        LayerOp(
+            name="model.rotary_emb",
+            module="model.rotary_emb",
+            kind=LayerKind.ROTARY,
+            block=None,
+            params=(),
+            flops=0.0,
+            memory_bytes=float(2 * w.seq_len * cfg.head_dim * a),
+            saved_bytes=2 * w.seq_len * cfg.head_dim * a,  # cos and sin, shared by every layer
+        ),
+    ]
+    for i in range(cfg.n_layers):
+        ops += block_ops(cfg, i, w)
+    ops.append(_norm("model.norm", (specs["model.norm.weight"],), cfg.hidden, w, None))
+    head = _linear(head_spec, w, None)
+    tied = cfg.tie_embeddings
+    ops.append(
+        LayerOp(
+            name="lm_head",
+            module="lm_head",
+            kind=LayerKind.LINEAR,
+            block=None,
+            params=() if tied else head.params,
+            flops=head.flops,
+            memory_bytes=0.0,
+            saved_bytes=0,
+        )
+    )
+    upcast = 0 if a == FP32_BYTES else t * vocab * FP32_BYTES
+    ops.append(
+        LayerOp(
+            name="loss",
+            module="loss",
+            kind=LayerKind.LOSS,
+            block=None,
+            params=(),
+            flops=0.0,
+            memory_bytes=3.0 * t * vocab * FP32_BYTES,
+            saved_bytes=t * vocab * FP32_BYTES + t * INDEX_BYTES,  # log-softmax output, labels
+            forward_transient_bytes=t * vocab * a + upcast,  # the logits and their fp32 copy
+            # the fp32 grads of the log-softmax output and of its input; the cast back to ``a`` comes
+            # after the first is freed, so it never adds to the peak
+            backward_transient_bytes=2 * t * vocab * FP32_BYTES,
+        )
+    )
+    return tuple(ops)

@@ -1,0 +1,132 @@
+"""FSDP wrap units: which parameters each ``fully_shard`` call owns, and which forward work runs
+under which unit's hooks.
+
+A *unit* is one ``fully_shard`` call (one FSDPParamGroup); the root unit is the last call, on the
+whole model, and owns every parameter not owned by another unit. A *segment* is a maximal run of
+consecutive layer ops owned by the same unit: the granularity at which FSDP hooks fire.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from math import ceil, prod
+
+from sim.workload.layers import LayerKind, LayerOp
+from sim.workload.model import ModelConfig, ParamSpec, layer_prefix, param_specs
+from sim.workload.options import WrapPolicy
+
+ROOT = "root"
+
+
+def padded_numel(spec: ParamSpec, shard_size: int) -> int:
+    """Numel after FSDP2 pads dim 0 to a multiple of the shard group (``_get_dim0_padded_size``)."""
+    rows = spec.shape[0]
+    return ceil(rows / shard_size) * shard_size * prod(spec.shape[1:])
+
+
+@cache
+def _padded_total(params: tuple[ParamSpec, ...], shard_size: int) -> int:
+    return sum(padded_numel(p, shard_size) for p in params)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WrapUnit:
+    name: str
+    prefix: str  # module path of the wrapped module ("" for the root)
+    params: tuple[ParamSpec, ...]
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ROOT
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def padded_numel(self, shard_size: int) -> int:
+        return _padded_total(self.params, shard_size)
+
+    def owns(self, module: str) -> bool:
+        return self.prefix == "" or module == self.prefix or module.startswith(self.prefix + ".")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    unit: str
+    ops: tuple[LayerOp, ...]
+
+    @property
+    def block(self) -> int | None:
+        return self.ops[0].block
+
+    @property
+    def params(self) -> tuple[ParamSpec, ...]:
+        return tuple(p for op in self.ops for p in op.params)
+
+    @property
+    def name(self) -> str:
+        first, last = self.ops[0].name, self.ops[-1].name
+        return first if first == last else f"{first}..{last.rsplit('.', 1)[-1]}"
+
+
+def unit_prefixes(cfg: ModelConfig, wrap: WrapPolicy) -> list[str]:
+    """Module paths of the non-root units, in the order ``fully_shard`` is applied (forward order)."""
+    if wrap is WrapPolicy.MODEL:
+        return []
+    if wrap is WrapPolicy.BLOCK:
+        return [layer_prefix(i) for i in range(cfg.n_layers)]
+    linear_modules = [s.module for s in param_specs(cfg) if len(s.shape) == 2]
+    if cfg.tie_embeddings:  # a tied weight must stay in one unit: the root's
+        linear_modules = [m for m in linear_modules if m != "model.embed_tokens"]
+    return linear_modules
+
+
+def _innermost(module: str, prefixes: set[str]) -> str | None:
+    """The longest prefix in ``prefixes`` that is ``module`` or one of its parent modules."""
+    path = module
+    while path:
+        if path in prefixes:
+            return path
+        path = path.rpartition(".")[0]
+    return None
+
+
+@cache
+def build_units(cfg: ModelConfig, wrap: WrapPolicy) -> tuple[WrapUnit, ...]:
+    """Non-root units in forward order, then the root with every remaining parameter."""
+    prefixes = unit_prefixes(cfg, wrap)
+    by_prefix: dict[str, list[ParamSpec]] = {p: [] for p in prefixes}
+    root: list[ParamSpec] = []
+    for spec in param_specs(cfg):
+        owner = _innermost(spec.module, set(by_prefix))
+        (by_prefix[owner] if owner is not None else root).append(spec)
+    units = [WrapUnit(name=p, prefix=p, params=tuple(by_prefix[p])) for p in prefixes]
+    return (*units, WrapUnit(name=ROOT, prefix="", params=tuple(root)))
+
+
+def build_segments(ops: Sequence[LayerOp], units: Sequence[WrapUnit]) -> list[Segment]:
+    """Group consecutive ops with the same owner (and decoder layer) into segments."""
+    segments: list[Segment] = []
+    current: list[LayerOp] = []
+    current_unit = ""
+    by_prefix = {u.prefix: u.name for u in units if not u.is_root}
+    prefixes = set(by_prefix)
+    for op in ops:
+        owner = _innermost(op.module, prefixes)
+        unit = by_prefix[owner] if owner is not None else ROOT
+        if current and (unit != current_unit or op.block != current[0].block):
+            segments.append(Segment(unit=current_unit, ops=tuple(current)))
+            current = []
+        current_unit = unit
+        current.append(op)
+    if current:
+        segments.append(Segment(unit=current_unit, ops=tuple(current)))
+    return segments
+
+
+def input_needs_grad(unit: WrapUnit, segments: Sequence[Segment]) -> bool:
+    """False for units whose forward input is the token ids: they reduce in the final callback."""
+    if unit.is_root:
+        return False
+    first = next(s for s in segments if s.unit == unit.name)
+    return first.ops[0].kind is not LayerKind.EMBED
