@@ -15,8 +15,12 @@ import resource
 import time
 from typing import Any
 
-from sim.study.sweep.plan import Axis, csv_text, expand, make_rows, markdown_text
+from sim.outputs.report import build_report
+from sim.scenario.loader import scenario_from_dict
+from sim.simulate import simulate
 from sim.study.sweep.execute import RESULT_KEYS, Base, apply_point, run_chunk, run_points
+from sim.study.sweep.outputs import csv_text, markdown_text
+from sim.study.sweep.plan import Axis, expand, make_rows
 
 TARGET_S = 60.0
 N_POINTS = 10_000
@@ -40,16 +44,13 @@ AXES = (
 
 def _phases(points: Any, sample: int = 100) -> dict[str, float]:
     """Mean seconds per point of each phase, and bytes per point sent and returned, in this process."""
-    from sim.scenario.loader import scenario_from_dict
-    from sim.simulate import simulate
-
     picked = points[:: max(1, len(points) // sample)][:sample]
     t_parse = t_sim = t_pick = 0.0
     for point in picked:
         t0 = time.perf_counter()
         scenario = scenario_from_dict(apply_point(BASE, point), "bench")
         t1 = time.perf_counter()
-        report = simulate(scenario).report
+        report = build_report(simulate(scenario)).to_json()
         t2 = time.perf_counter()
         pickle.loads(pickle.dumps({k: report[k] for k in RESULT_KEYS}))
         t_pick += time.perf_counter() - t2
@@ -57,8 +58,13 @@ def _phases(points: Any, sample: int = 100) -> dict[str, float]:
     n = len(picked)
     sent = len(pickle.dumps((BASE, "bench", list(picked)))) / n
     returned = len(pickle.dumps(run_chunk(BASE, "bench", picked[:10]))) / 10
-    return {"parse_s": t_parse / n, "simulate_s": t_sim / n, "result_pickle_s": t_pick / n,
-            "sent_B": sent, "returned_B": returned}  # fmt: skip
+    return {
+        "parse_s": t_parse / n,
+        "simulate_s": t_sim / n,
+        "result_pickle_s": t_pick / n,
+        "sent_B": sent,
+        "returned_B": returned,
+    }
 
 
 def _children_cpu_s() -> float:
@@ -72,9 +78,11 @@ def main() -> None:
     assert len(points) == N_POINTS, len(points)
     cores = os.cpu_count() or 1
     ph = _phases(points)
-    print(f"per point, one core: parse {ph['parse_s'] * 1e3:.2f} ms, simulate {ph['simulate_s'] * 1e3:.2f} ms, "
-          f"result pickling {ph['result_pickle_s'] * 1e6:.0f} us; sent {ph['sent_B']:.0f} B, "
-          f"returned {ph['returned_B']:.0f} B")  # fmt: skip
+    print(
+        f"per point, one core: parse {ph['parse_s'] * 1e3:.2f} ms, simulate {ph['simulate_s'] * 1e3:.2f} ms, "
+        f"result pickling {ph['result_pickle_s'] * 1e6:.0f} us; sent {ph['sent_B']:.0f} B, "
+        f"returned {ph['returned_B']:.0f} B"
+    )
     print(f"lower bound on {cores} cores from simulate alone: {N_POINTS * ph['simulate_s'] / cores:.1f} s")
     cpu_before = _children_cpu_s()
     start = time.perf_counter()
@@ -84,11 +92,15 @@ def main() -> None:
     rows = make_rows_for_bench(points, results)
     wall = time.perf_counter() - start
     errors = sum(bool(r["error"]) for r in rows)
-    print(f"{N_POINTS:,} configurations (32 layers, 64 ranks) on {cores} cores: {wall:.1f} s "
-          f"(running {run_s:.1f} s), {N_POINTS / wall:,.0f} configs/s, {errors} invalid")  # fmt: skip
+    print(
+        f"{N_POINTS:,} configurations (32 layers, 64 ranks) on {cores} cores: {wall:.1f} s "
+        f"(running {run_s:.1f} s), {N_POINTS / wall:,.0f} configs/s, {errors} invalid"
+    )
     print(f"target {N_POINTS:,} in < {TARGET_S:.0f} s: ratio {wall / TARGET_S:.2f} (< 1 meets it)")
-    print(f"worker CPU time {cpu_s:.1f} s ({cpu_s / run_s:.2f} of {cores} cores busy): "
-          f"{N_POINTS / cpu_s:,.0f} configs per CPU-second, about {cpu_s / cores:.1f} s on {cores} idle cores")  # fmt: skip
+    print(
+        f"worker CPU time {cpu_s:.1f} s ({cpu_s / run_s:.2f} of {cores} cores busy): "
+        f"{N_POINTS / cpu_s:,.0f} configs per CPU-second, about {cpu_s / cores:.1f} s on {cores} idle cores"
+    )
 
 
 def make_rows_for_bench(points: Any, results: Any) -> list[dict[str, Any]]:

@@ -30,8 +30,10 @@ def main() -> int:
     args = parser.parse_args()
     t0 = time.perf_counter()
     table = synthetic_table(args.ranks, args.layers)
-    print(f"table: {args.ranks} ranks x {args.layers} layers, {len(table.ops):,} ops, "
-          f"{len(table.memory):,} memory records, built in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    print(
+        f"table: {args.ranks} ranks x {args.layers} layers, {len(table.ops):,} ops, "
+        f"{len(table.memory):,} memory records, built in {time.perf_counter() - t0:.1f} s"
+    )
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         html = Path(tmp) / "step.html"
@@ -43,8 +45,10 @@ def main() -> int:
         t0 = time.perf_counter()
         write_chrome_trace(table, Path(tmp) / "step.json", ranks=[0, 1, 2])
         paths = write_chrome_trace_per_rank(table, Path(tmp) / "per_rank", ranks=range(8))
-        print(f"trace: 3 ranks {(Path(tmp) / 'step.json').stat().st_size / 1e6:.2f} MB, "
-              f"8 per-rank files {sum(p.stat().st_size for p in paths) / 1e6:.2f} MB, {time.perf_counter() - t0:.1f} s")  # fmt: skip
+        print(
+            f"trace: 3 ranks {(Path(tmp) / 'step.json').stat().st_size / 1e6:.2f} MB, "
+            f"8 per-rank files {sum(p.stat().st_size for p in paths) / 1e6:.2f} MB, {time.perf_counter() - t0:.1f} s"
+        )
         binary = find_chromium()
         if binary is None:
             print("open time: skipped, no Chromium found")

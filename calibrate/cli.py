@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from calibrate.errors import CalibrationFailed
 from calibrate.launch import COMMAND_ENV, WORKER_ENV
 from sim.errors import UserError
 
@@ -21,10 +22,6 @@ if TYPE_CHECKING:
 
 PROG = "calibrate"
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-class CalibrationFailed(Exception):
-    """The measurement could not finish (exit code 1)."""
 
 
 def parse_size(text: str) -> int:
@@ -184,11 +181,9 @@ def _maybe_launch(args: argparse.Namespace, argv: list[str]) -> bool:
         raise UserError("--nproc starts its own ranks; do not combine it with torchrun")
     if args.nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {args.nproc}")
-    from calibrate.launch import launch
+    from calibrate.api import run_local
 
-    result = launch(_without_nproc(argv), args.nproc, command_line(argv))
-    if not result.ok:
-        raise CalibrationFailed(result.message)
+    run_local(_without_nproc(argv), args.nproc, command_line(argv))
     return True
 
 

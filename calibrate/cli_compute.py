@@ -6,12 +6,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from calibrate.api import run_local
 from calibrate.compute import ComputeTarget
 from calibrate.compute_run import run_compute
 from calibrate.dist_env import rank_env
 from calibrate.launch import WORKER_ENV
-from calibrate.profile_io import read_profile_dict
 from sim.errors import UserError
+from sim.hardware.registry import read_profile_document
 from sim.workload.model import preset
 
 
@@ -50,19 +51,14 @@ def default_ranks(profile: dict[str, Any]) -> int:
 
 
 def run_compute_command(args: argparse.Namespace, command: str) -> None:
-    profile = read_profile_dict(args.profile)
+    profile = read_profile_document(args.profile)
     if args.reps < 1:
         raise UserError(f"--reps must be >= 1, got {args.reps}")
     env = rank_env()
     if env is None:
-        from calibrate.cli import CalibrationFailed
-        from calibrate.launch import launch
-
         nproc = args.nproc or default_ranks(profile)
         target_from_args(args, nproc)  # report a bad scenario before starting ranks
-        result = launch(_argv(args), nproc, command)
-        if not result.ok:
-            raise CalibrationFailed(result.message)
+        run_local(_argv(args), nproc, command)
         return
     if not os.environ.get(WORKER_ENV) and args.nproc:
         raise UserError("--nproc starts its own ranks; do not combine it with torchrun")

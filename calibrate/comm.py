@@ -162,7 +162,16 @@ def run_comm(req: CommRequest, env: RankEnv) -> None:
             dist.destroy_process_group()
 
 
-def _write(req: CommRequest, cfg: SweepConfig, env: RankEnv, backend: str, device: Any, curves: list[Curve], probed: dict[str, Any], started: float) -> None:  # fmt: skip
+def _write(
+    req: CommRequest,
+    cfg: SweepConfig,
+    env: RankEnv,
+    backend: str,
+    device: Any,
+    curves: list[Curve],
+    probed: dict[str, Any],
+    started: float,
+) -> None:
     """Rank 0: assemble the profile from the curves and the device measurements; write it atomically."""
     from calibrate import device_probe
 
@@ -182,9 +191,14 @@ def _write(req: CommRequest, cfg: SweepConfig, env: RankEnv, backend: str, devic
     }
     src = _source(req, cfg, env, backend, device, evidence, time.perf_counter() - started)
     doc = comm_profile(
-        name=req.name, curves=curves, device=dev, backend=be,
-        gpus_per_node=env.local_world_size, source=src, topology_dtype=cfg.dtypes[0],
-    )  # fmt: skip
+        name=req.name,
+        curves=curves,
+        device=dev,
+        backend=be,
+        gpus_per_node=env.local_world_size,
+        source=src,
+        topology_dtype=cfg.dtypes[0],
+    )
     write_profile_atomic(req.out, doc)
     print(f"wrote {req.out} ({len(curves)} curves, {time.perf_counter() - started:.1f} s)", flush=True)
 

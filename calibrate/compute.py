@@ -1,28 +1,12 @@
-"""Measurements of ``calibrate compute``, shaped as the profile's ``compute`` section.
-
-The section's format and its checks live with the profile format in ``sim.hardware.compute_section``.
-"""
+"""What ``calibrate compute`` measures, shaped as the profile's typed ``compute`` section
+(``sim.hardware.compute_section``, where the format and its checks live)."""
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sim.hardware.compute_section import (
-    MODEL_FIELDS,
-    UNIT_FIELDS,
-    UNITS,
-    check_compute_matches,
-    validate_compute_section,
-)
+from sim.hardware.compute_section import MODEL_FIELDS, ComputeSection, MeasuredDims, UnitMeasurement
 from sim.workload.model import ModelConfig
-
-__all__ = [
-    "ComputeTarget",
-    "UnitMeasure",
-    "check_compute_matches",
-    "compute_section",
-    "validate_compute_section",
-]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,22 +27,9 @@ class ComputeTarget:
         return {f: getattr(self.model, f) for f in MODEL_FIELDS}
 
 
-@dataclass(frozen=True, kw_only=True)
-class UnitMeasure:
-    forward_s: float
-    backward_s: float
-    recompute_s: float
-    saved_activation_bytes: int
-    forward_transient_bytes: int
-    backward_transient_bytes: int
-
-    def to_dict(self) -> dict[str, float | int]:
-        return {f: getattr(self, f) for f in UNIT_FIELDS}
-
-
 def compute_section(
     target: ComputeTarget,
-    units: Mapping[str, UnitMeasure],
+    units: Mapping[str, UnitMeasurement],
     *,
     copy_Bps: float,
     optimizer_s_per_param: Mapping[str, float],
@@ -66,17 +37,18 @@ def compute_section(
     fsdp_unit_overhead_s: Mapping[str, float],
     host_overhead_in_step: bool,
     slowdown: float,
-) -> dict[str, Any]:
-    return {
-        "model": target.model_dict(),
-        "micro_batch": target.micro_batch,
-        "seq_len": target.seq_len,
-        "param_dtype": target.param_dtype,
-        "units": {name: units[name].to_dict() for name in UNITS},
-        "copy_Bps": copy_Bps,
-        "optimizer_s_per_param": dict(optimizer_s_per_param),
-        "fsdp_optimizer_s_per_param": dict(fsdp_optimizer_s_per_param),
-        "fsdp_unit_overhead_s": dict(fsdp_unit_overhead_s),
-        "host_overhead_in_step": host_overhead_in_step,
-        "compute_slowdown_during_collective": slowdown,
-    }
+) -> ComputeSection:
+    return ComputeSection(
+        dims=MeasuredDims(**target.model_dict()),
+        micro_batch=target.micro_batch,
+        seq_len=target.seq_len,
+        param_dtype=target.param_dtype,
+        units=dict(units),
+        copy_Bps=copy_Bps,
+        optimizer_s_per_param=dict(optimizer_s_per_param),
+        fsdp_optimizer_s_per_param=dict(fsdp_optimizer_s_per_param),
+        fsdp_forward_overhead_s=fsdp_unit_overhead_s["forward"],
+        fsdp_backward_overhead_s=fsdp_unit_overhead_s["backward"],
+        host_overhead_in_step=host_overhead_in_step,
+        compute_slowdown_during_collective=slowdown,
+    )

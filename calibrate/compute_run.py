@@ -10,14 +10,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from calibrate.compute import UNITS, ComputeTarget, UnitMeasure, compute_section, validate_compute_section
+from calibrate.compute import ComputeTarget, compute_section
 from calibrate.dist_env import RankEnv, init_distributed, mean_over_ranks
-from calibrate.profile_io import read_profile_dict, write_profile_atomic
+from calibrate.profile_io import write_profile_atomic
+from sim.hardware.compute_section import UNITS, ComputeSection, UnitMeasurement
+from sim.hardware.registry import read_profile_document
 
 TIME_FIELDS = ("forward_s", "backward_s", "recompute_s")
 
 
-def _measure(target: ComputeTarget, device: Any, reps: int) -> tuple[dict[str, UnitMeasure], dict[str, Any]]:
+def _measure(
+    target: ComputeTarget, device: Any, reps: int
+) -> tuple[dict[str, UnitMeasurement], dict[str, Any]]:
     from calibrate import context_timing, device_probe, fsdp_overhead, overheads
     from calibrate.layers import build_units
     from calibrate.unit_timing import measure_unit
@@ -49,7 +53,7 @@ def _measure(target: ComputeTarget, device: Any, reps: int) -> tuple[dict[str, U
     return measured, extra
 
 
-def _averaged(measured: dict[str, UnitMeasure], extra: dict[str, Any], device: Any) -> dict[str, Any]:
+def _averaged(measured: dict[str, UnitMeasurement], extra: dict[str, Any], device: Any) -> dict[str, Any]:
     flat: dict[str, Any] = {f"{u}.{f}": getattr(measured[u], f) for u in UNITS for f in TIME_FIELDS}
     flat.update({"copy": extra["copy"], "optimizer": extra["optimizer_s_per_param"]})
     flat.update(
@@ -62,10 +66,10 @@ def _averaged(measured: dict[str, UnitMeasure], extra: dict[str, Any], device: A
 
 
 def _section(
-    target: ComputeTarget, measured: dict[str, UnitMeasure], avg: dict[str, Any], device: Any
-) -> dict[str, Any]:
+    target: ComputeTarget, measured: dict[str, UnitMeasurement], avg: dict[str, Any], device: Any
+) -> ComputeSection:
     units = {
-        u: UnitMeasure(
+        u: UnitMeasurement(
             **{f: avg[f"{u}.{f}"] for f in TIME_FIELDS},
             saved_activation_bytes=measured[u].saved_activation_bytes,
             forward_transient_bytes=measured[u].forward_transient_bytes,
@@ -85,7 +89,17 @@ def _section(
     )
 
 
-def _source(target: ComputeTarget, env: RankEnv, backend: str, device: Any, avg: dict[str, Any], extra: dict[str, Any], reps: int, command: str, wall_s: float) -> dict[str, Any]:  # fmt: skip
+def _source(
+    target: ComputeTarget,
+    env: RankEnv,
+    backend: str,
+    device: Any,
+    avg: dict[str, Any],
+    extra: dict[str, Any],
+    reps: int,
+    command: str,
+    wall_s: float,
+) -> dict[str, Any]:
     import torch
 
     from calibrate import device_probe
@@ -169,9 +183,8 @@ def run_compute(
         dog.disarm()
         if env.rank == 0:
             section = _section(target, measured, avg, device)
-            validate_compute_section(section, str(profile))
-            doc = read_profile_dict(profile)
-            doc["compute"] = section
+            doc = read_profile_document(profile)
+            doc["compute"] = section.to_dict()
             wall = time.perf_counter() - started
             doc.setdefault("source", {})["compute"] = _source(
                 target, env, backend, device, avg, extra, reps, command, wall
@@ -183,17 +196,17 @@ def run_compute(
             dist.destroy_process_group()
 
 
-def _report(section: dict[str, Any], profile: Path, wall_s: float) -> None:
-    for name, u in section["units"].items():
+def _report(section: ComputeSection, profile: Path, wall_s: float) -> None:
+    for name, u in section.units.items():
         print(
-            f"{name:>5}: forward {u['forward_s'] * 1e3:.3f} ms, backward {u['backward_s'] * 1e3:.3f} ms, "
-            f"recompute {u['recompute_s'] * 1e3:.3f} ms, saved {u['saved_activation_bytes']} B, "
-            f"transient fwd/bwd {u['forward_transient_bytes']}/{u['backward_transient_bytes']} B",
+            f"{name:>5}: forward {u.forward_s * 1e3:.3f} ms, backward {u.backward_s * 1e3:.3f} ms, "
+            f"recompute {u.recompute_s * 1e3:.3f} ms, saved {u.saved_activation_bytes} B, "
+            f"transient fwd/bwd {u.forward_transient_bytes}/{u.backward_transient_bytes} B",
             flush=True,
         )
     print(
-        f"copy {section['copy_Bps'] / 1e9:.2f} GB/s, AdamW {section['optimizer_s_per_param']['adamw'] * 1e9:.2f} ns/param, "
-        f"slowdown during a collective x{section['compute_slowdown_during_collective']:.3f}; "
+        f"copy {section.copy_Bps / 1e9:.2f} GB/s, AdamW {section.optimizer_s_per_param['adamw'] * 1e9:.2f} ns/param, "
+        f"slowdown during a collective x{section.compute_slowdown_during_collective:.3f}; "
         f"wrote {profile} ({wall_s:.1f} s)",
         flush=True,
     )

@@ -16,10 +16,11 @@ from dataclasses import replace
 
 import torch
 
-from calibrate.compute import ComputeTarget, UnitMeasure
+from calibrate.compute import ComputeTarget
 from calibrate.hf_llama import llama_config
 from calibrate.sweep import TORCH_DTYPES
 from calibrate.unit_timing import synced_now
+from sim.hardware.compute_section import UnitMeasurement
 
 DEPTHS = (1, 3)  # decoder layers of the shallow and the deep model
 
@@ -61,8 +62,8 @@ def model_times(target: ComputeTarget, device: torch.device, reps: int) -> dict[
 
 
 def in_model(
-    isolated: dict[str, UnitMeasure], times: dict[int, tuple[float, float]]
-) -> tuple[dict[str, UnitMeasure], dict[str, float]]:
+    isolated: dict[str, UnitMeasurement], times: dict[int, tuple[float, float]]
+) -> tuple[dict[str, UnitMeasurement], dict[str, float]]:
     """The units with their times taken from the models' difference; memory stays as measured
     alone. Returns the units and the ratio in-model / alone of each block time (for the source).
 

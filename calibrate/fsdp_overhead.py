@@ -147,8 +147,14 @@ def dtensor_optimizer_s_per_param(target: ComputeTarget, device: torch.device, r
             local, mesh, [Shard(0)], run_check=False, shape=full, stride=_contiguous(full)
         )
         p = torch.nn.Parameter(dt)
-        p.grad = DTensor.from_local(torch.randn(shape, device=device), mesh, [Shard(0)], run_check=False,
-                                    shape=full, stride=_contiguous(full))  # fmt: skip
+        p.grad = DTensor.from_local(
+            torch.randn(shape, device=device),
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=full,
+            stride=_contiguous(full),
+        )
         params.append(p)
     return optimizer_step_s_per_param(params, device, reps)
 

@@ -6,26 +6,23 @@ The imported curves replace the base's curves of the same key; the topology link
 from the imported curves where they cover them and kept from the base where they do not.
 """
 
-import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from calibrate.nccl_tests import curves_from_runs, parse_file
-from calibrate.profile_io import read_profile_dict, topology_links, write_profile_atomic
+from calibrate.profile_io import topology_links, write_profile_atomic
 from calibrate.records import Curve
 from sim.errors import UserError
+from sim.hardware.builtin import BUILTIN_PROFILES
+from sim.hardware.registry import profile_document, read_profile_document
 
 
 def _base_document(base: str | None, out: Path) -> tuple[dict[str, Any], str]:
-    from sim.hardware.builtin import BUILTIN_PROFILES
-
-    if base is not None and base in BUILTIN_PROFILES:
-        return json.loads(json.dumps(BUILTIN_PROFILES[base])), f"built-in profile {base}"
     if base is not None:
-        return read_profile_dict(base), base
+        return profile_document(base, where="--base"), base
     if out.is_file():
-        return read_profile_dict(out), str(out)
+        return read_profile_document(out), str(out)
     raise UserError(
         "nccl-tests outputs carry no device data: pass --base with a built-in profile "
         f"({', '.join(BUILTIN_PROFILES)}) or a profile file, or --out an existing profile"

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from calibrate.compute import UnitMeasure
 from calibrate.layers import Unit
 from calibrate.memtrack import SavedTensorBytes, peak_above_start
+from sim.hardware.compute_section import UnitMeasurement
 
 
 def _sync(device: torch.device) -> None:
@@ -112,9 +112,9 @@ def memory(unit: Unit, device: torch.device) -> tuple[int, int, int]:
     return saved.bytes, fwd_transient, bwd_peak
 
 
-def measure_unit(unit: Unit, device: torch.device, reps: int, with_recompute: bool) -> UnitMeasure:
+def measure_unit(unit: Unit, device: torch.device, reps: int, with_recompute: bool) -> UnitMeasurement:
     saved, fwd_transient, bwd_transient = memory(unit, device)
-    return UnitMeasure(
+    return UnitMeasurement(
         forward_s=forward_s(unit, device, reps),
         backward_s=backward_s(unit, device, reps),
         recompute_s=recompute_s(unit, device, reps) if with_recompute else 0.0,

@@ -45,7 +45,9 @@ def _topology(scenario: Scenario) -> Topology:
     )
 
 
-def build_step(scenario: Scenario, profile: HardwareProfile) -> tuple[StepConfig, Topology, Sequence[LayerOp]]:
+def build_step(
+    scenario: Scenario, profile: HardwareProfile
+) -> tuple[StepConfig, Topology, Sequence[LayerOp]]:
     """Everything the schedule builders need, from a scenario and a profile."""
     model, training, parallel = scenario.model, scenario.training, scenario.parallel
     workload = Workload(
@@ -122,4 +124,6 @@ def simulate(scenario: Scenario, profile: HardwareProfile | None = None) -> SimR
         serial=not profile.backend.overlaps_comm_compute,
         interference=profile.compute_slowdown_during_collective,
     )
-    return SimResult(scenario=scenario, profile=profile, step=step, layer_ops=ops, program=program, events=table)
+    return SimResult(
+        scenario=scenario, profile=profile, step=step, layer_ops=ops, program=program, events=table
+    )

@@ -277,7 +277,10 @@ def synthetic_table(world_size: int, layers: int, *, simulate_all: bool = True, 
     for layer in reversed(range(layers)):
         b.layer(f"layers.{layer}", "backward", OpKind.BACKWARD, 2.0e-3, with_rs=True)
     b.optimizer(0.5e-3 * layers / 8)
-    return EventTable(world_size=world_size, simulated_ranks=ranks, ops=b.ops, memory=b.memory)
+    # the engine records the ledger in time order, which the memory curve relies on; the loop above
+    # writes a layer's records before the next layer's all-gather, which may start earlier
+    memory = tuple(sorted(b.memory, key=lambda m: m.time_s))  # stable: same-time entries keep their order
+    return EventTable(world_size=world_size, simulated_ranks=tuple(ranks), ops=tuple(b.ops), memory=memory)
 
 
 class _Builder:
@@ -294,14 +297,17 @@ class _Builder:
         self.memory: list[MemoryRecord] = []
         self.last_compute_start = np.zeros(len(ranks))
         for r in ranks:
-            self.memory.append(MemoryRecord(r, 0.0, MemoryCategory.PARAMS, self.PARAM_BYTES // 8, "shards"))
-            self.memory.append(MemoryRecord(r, 0.0, MemoryCategory.OPTIMIZER, self.PARAM_BYTES // 4, "adam"))
+            self.memory.append(MemoryRecord(rank=r, time_s=0.0, category=MemoryCategory.PARAMS,
+                                            delta_bytes=self.PARAM_BYTES // 8, label="shards"))  # fmt: skip
+            self.memory.append(MemoryRecord(rank=r, time_s=0.0, category=MemoryCategory.OPTIMIZER,
+                                            delta_bytes=self.PARAM_BYTES // 4, label="adam"))  # fmt: skip
 
     def emit(self, stream, kind, name, unit, ready, start, end, nbytes=0) -> None:
         group = len(self.ranks) if kind.is_collective else 1
         for i, r in enumerate(self.ranks):
-            op = OpRecord(r, len(self.ops), stream, kind, name, unit, 0, float(ready[i]), float(start[i]),
-                          float(end[i]), nbytes, group)  # fmt: skip
+            op = OpRecord(rank=r, op_id=len(self.ops), stream=stream, kind=kind, name=name, unit=unit,
+                          microbatch=0, ready_s=float(ready[i]), start_s=float(start[i]), end_s=float(end[i]),
+                          bytes=nbytes, group_size=group)  # fmt: skip
             self.ops.append(op)
 
     def collective(
@@ -341,4 +347,5 @@ class _Builder:
 
     def _mem(self, times: np.ndarray, category: MemoryCategory, delta: int, label: str) -> None:
         for i, r in enumerate(self.ranks):
-            self.memory.append(MemoryRecord(r, float(times[i]), category, delta, label))
+            self.memory.append(MemoryRecord(rank=r, time_s=float(times[i]), category=category,
+                                            delta_bytes=delta, label=label))  # fmt: skip

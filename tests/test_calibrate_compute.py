@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from calibrate.compute import ComputeTarget, check_compute_matches, validate_compute_section
+from calibrate.compute import ComputeTarget
+from sim.costs.compute import check_compute_matches
+from sim.hardware.compute_section import parse_compute_section
 from calibrate.memtrack import SavedTensorBytes, peak_above_start
 from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.cli.main import main as fsdpsim_main
@@ -49,29 +51,24 @@ def test_tiny_end_to_end_adds_a_compute_section(calibrated: Path) -> None:
     prof = load_profile(str(calibrated))
     assert prof.compute is not None and prof.device.name.startswith("NVIDIA H100")  # the rest is kept
     c = prof.compute
-    validate_compute_section(c, "test")
     sc = load_scenario(str(TINY))
     check_compute_matches(
         c, sc.model, sc.training.micro_batch, sc.training.seq_len, sc.precision.param_dtype, "t"
     )
-    assert c["model"]["hidden"] == 64 and (c["micro_batch"], c["seq_len"], c["param_dtype"]) == (
+    assert c.dims.hidden == 64 and (c.micro_batch, c.seq_len, c.param_dtype) == (
         2,
         64,
         "fp32",
     )
-    for name, unit in c["units"].items():
-        assert unit["forward_s"] > 0 and unit["backward_s"] > 0, name
-        assert (unit["recompute_s"] > 0) == (name == "block"), name
-    assert (
-        c["copy_Bps"] > 0
-        and c["optimizer_s_per_param"]["adamw"] > 0
-        and c["optimizer_s_per_param"]["sgd"] > 0
-    )
-    assert c["compute_slowdown_during_collective"] >= 1.0
+    for name, unit in c.units.items():
+        assert unit.forward_s > 0 and unit.backward_s > 0, name
+        assert (unit.recompute_s > 0) == (name == "block"), name
+    assert c.copy_Bps > 0 and c.optimizer_s_per_param["adamw"] > 0 and c.optimizer_s_per_param["sgd"] > 0
+    assert c.compute_slowdown_during_collective >= 1.0
     # FSDP2's own costs, measured with the real fully_shard: DTensor optimizer, per-unit host work
-    assert c["fsdp_optimizer_s_per_param"]["adamw"] > 0 and c["fsdp_optimizer_s_per_param"]["sgd"] > 0
-    assert c["fsdp_unit_overhead_s"]["forward"] >= 0 and c["fsdp_unit_overhead_s"]["backward"] >= 0
-    assert c["host_overhead_in_step"] is True  # the host is the device on a CPU
+    assert c.fsdp_optimizer_s_per_param["adamw"] > 0 and c.fsdp_optimizer_s_per_param["sgd"] > 0
+    assert c.fsdp_forward_overhead_s >= 0 and c.fsdp_backward_overhead_s >= 0
+    assert c.host_overhead_in_step is True  # the host is the device on a CPU
     src = json.loads(calibrated.read_text())["source"]["compute"]
     assert src["world_size"] == 2 and src["attention_kernel"].startswith("aten.")
     overhead = src["fsdp_unit_overhead"]
@@ -82,7 +79,7 @@ def test_tiny_end_to_end_adds_a_compute_section(calibrated: Path) -> None:
                                        for f in ("forward_s", "backward_s", "recompute_s")}  # fmt: skip
     ratio = src["in_model_over_alone"]
     for phase in ("forward_s", "backward_s"):
-        assert c["units"]["block"][phase] == pytest.approx(
+        assert getattr(c.units["block"], phase) == pytest.approx(
             ratio[phase] * src["units_alone"][f"block.{phase}"]
         )
 
@@ -104,7 +101,7 @@ def test_the_simulator_runs_the_scenario_on_the_calibrated_profile(
 
 
 def test_other_dimensions_are_refused_by_name(calibrated: Path) -> None:
-    c = json.loads(calibrated.read_text())["compute"]
+    c = parse_compute_section(json.loads(calibrated.read_text())["compute"], "p")
     tiny = PRESETS["tiny"]
     with pytest.raises(UserError, match=r"seq_len=64 \(scenario: 128\)"):
         check_compute_matches(c, tiny, 2, 128, "fp32", "profile p")
@@ -134,7 +131,7 @@ def test_a_malformed_compute_section_is_refused(calibrated: Path, edit, match: s
     c = json.loads(calibrated.read_text())["compute"]
     edit(c)
     with pytest.raises(UserError, match=match):
-        check_compute_matches(c, PRESETS["tiny"], 2, 64, "fp32", "profile p")
+        parse_compute_section(c, "profile p")
 
 
 def test_a_missing_or_corrupted_profile_exits_2_before_measuring(tmp_path: Path) -> None:
@@ -221,14 +218,14 @@ def test_gpu_compute_of_the_tiny_preset(tmp_path: Path) -> None:
     proc = run_calibrate("compute", str(TINY), "--profile", str(path), "--nproc", "1", "--reps", "3")
     assert proc.returncode == 0, proc.stderr
     c = load_profile(str(path)).compute
-    assert c is not None and c["units"]["block"]["forward_s"] > 0
+    assert c is not None and c.units["block"].forward_s > 0
     assert json.loads(path.read_text())["source"]["compute"]["backend"] == "nccl"
 
 
 def _unit(forward: float, backward: float, recompute: float = 0.0) -> Any:
-    from calibrate.compute import UnitMeasure
+    from sim.hardware.compute_section import UnitMeasurement
 
-    return UnitMeasure(forward_s=forward, backward_s=backward, recompute_s=recompute, saved_activation_bytes=7,
+    return UnitMeasurement(forward_s=forward, backward_s=backward, recompute_s=recompute, saved_activation_bytes=7,
                        forward_transient_bytes=5, backward_transient_bytes=3)  # fmt: skip
 
 

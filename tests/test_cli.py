@@ -66,10 +66,10 @@ def check_report(report: dict, scenario_path: Path) -> None:
     breakdown = report["breakdown_s"]
     assert set(breakdown) == {"compute", "exposed_comm", "idle"}
     assert sum(breakdown.values()) == pytest.approx(step, rel=1e-9)
-    assert all(v >= -1e-9 * step for v in breakdown.values())
+    assert all(v >= 0 for v in breakdown.values())  # idle is never negative
     assert report["tokens_per_s"] == pytest.approx(scenario.tokens_per_step / step, rel=1e-12)
     assert report["tokens_per_s_per_gpu"] == pytest.approx(report["tokens_per_s"] / k, rel=1e-12)
-    assert 0 < report["mfu"] < 1
+    assert 0 < report["mfu"] <= report["hfu"] < 1  # HFU adds the recomputed forward
 
     per_rank = report["per_rank"]
     assert [r["rank"] for r in per_rank] == list(range(k))

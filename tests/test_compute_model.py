@@ -5,13 +5,15 @@ import dataclasses
 import pytest
 from simtest import make_profile, make_scenario, synthetic_compute_section
 
-from sim.errors import UserError
 from sim.core.events import OpKind
+from sim.errors import UserError
+from sim.hardware.compute_section import parse_compute_section
+from sim.outputs.report import build_report
 from sim.simulate import simulate
 
 
 def _with_compute(profile, section):
-    return dataclasses.replace(profile, compute=section, calibrated=True)
+    return dataclasses.replace(profile, compute=parse_compute_section(section, "test-profile"), calibrated=True)
 
 
 def _durations(result, kind):
@@ -32,8 +34,8 @@ def test_calibrated_times_and_bytes_replace_the_analytic_ones():
         )
     # RoPE tables are not part of any measured unit: they keep their analytic size
     rope = 2 * 64 * 16 * 4
-    assert calibrated.report["memory_at_peak_bytes"]["activations"] == pytest.approx(
-        3 * (analytic.report["memory_at_peak_bytes"]["activations"] - rope) + rope, rel=1e-6
+    assert build_report(calibrated).to_json()["memory_at_peak_bytes"]["activations"] == pytest.approx(
+        3 * (build_report(analytic).to_json()["memory_at_peak_bytes"]["activations"] - rope) + rope, rel=1e-6
     )
 
 

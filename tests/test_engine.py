@@ -13,16 +13,18 @@ TWO_RANKS = Topology(world_size=2, gpus_per_node=2, shard_size=2)
 def _program() -> Program:
     p = Program()
     p.emit(
-        Stream.COMPUTE,
-        OpKind.FORWARD,
-        "f",
-        "u",
-        0,
-        10.0,
-        allocs=(Alloc("act", MemoryCategory.ACTIVATIONS, 8),),
+        stream=Stream.COMPUTE,
+        kind=OpKind.FORWARD,
+        name="f",
+        unit="u",
+        microbatch=0,
+        duration_s=10.0,
+        allocs=(Alloc(label="act", category=MemoryCategory.ACTIVATIONS, bytes=8),),
     )
-    p.emit(Stream.ALL_GATHER, OpKind.ALL_GATHER, "ag", "u", 0, 4.0, group=GroupKind.SHARD, bytes=100)
-    p.emit(Stream.COMPUTE, OpKind.BACKWARD, "b", "u", 0, 1.0, deps=(1,), frees=("act",))
+    p.emit(stream=Stream.ALL_GATHER, kind=OpKind.ALL_GATHER, name="ag", unit="u", microbatch=0,
+           duration_s=4.0, group=GroupKind.SHARD, bytes=100)  # fmt: skip
+    p.emit(stream=Stream.COMPUTE, kind=OpKind.BACKWARD, name="b", unit="u", microbatch=0, duration_s=1.0,
+           deps=(1,), frees=("act",))  # fmt: skip
     return p
 
 
@@ -53,8 +55,9 @@ def test_compute_slows_down_only_while_a_collective_runs():
 def test_collective_waits_for_the_slowest_rank():
     slow = Variability(slow_rank=1, slow_rank_factor=2.0)
     p = Program()
-    p.emit(Stream.COMPUTE, OpKind.FORWARD, "f", "u", 0, 3.0)
-    p.emit(Stream.ALL_GATHER, OpKind.ALL_GATHER, "ag", "u", 0, 1.0, deps=(0,), group=GroupKind.SHARD, bytes=1)
+    p.emit(stream=Stream.COMPUTE, kind=OpKind.FORWARD, name="f", unit="u", microbatch=0, duration_s=3.0)
+    p.emit(stream=Stream.ALL_GATHER, kind=OpKind.ALL_GATHER, name="ag", unit="u", microbatch=0, duration_s=1.0,
+           deps=(0,), group=GroupKind.SHARD, bytes=1)  # fmt: skip
     table = run_program(p, TWO_RANKS, slow, serial=False)
     for rank in (0, 1):
         ag = next(o for o in table.ops_of(rank) if o.name == "ag")
@@ -73,7 +76,8 @@ def test_ledger_records_allocs_at_start_and_frees_at_end():
 
 def test_freeing_an_unknown_buffer_is_a_bug_not_a_silent_no_op():
     p = Program()
-    p.emit(Stream.COMPUTE, OpKind.FORWARD, "f", "u", 0, 1.0, frees=("never-allocated",))
+    p.emit(stream=Stream.COMPUTE, kind=OpKind.FORWARD, name="f", unit="u", microbatch=0, duration_s=1.0,
+           frees=("never-allocated",))  # fmt: skip
     with pytest.raises(RuntimeError, match="never-allocated"):
         run_program(p, TWO_RANKS, Variability(), serial=False)
 
@@ -82,19 +86,19 @@ def test_an_op_the_host_issues_asynchronously_overlaps_even_on_a_serial_backend(
     """DDP's reducer launches its bucket all-reduces without blocking the host: on gloo they run
     beside the backward pass, unlike FSDP2's blocking collectives."""
     p = Program()
-    p.emit(Stream.COMPUTE, OpKind.BACKWARD, "b", "u", 0, 10.0)
+    p.emit(stream=Stream.COMPUTE, kind=OpKind.BACKWARD, name="b", unit="u", microbatch=0, duration_s=10.0)
     p.emit(
-        Stream.ALL_REDUCE,
-        OpKind.ALL_REDUCE,
-        "ar",
-        "u",
-        0,
-        4.0,
+        stream=Stream.ALL_REDUCE,
+        kind=OpKind.ALL_REDUCE,
+        name="ar",
+        unit="u",
+        microbatch=0,
+        duration_s=4.0,
         group=GroupKind.SHARD,
         bytes=1,
         host_async=True,
     )
-    p.emit(Stream.COMPUTE, OpKind.COPY, "c", "u", 0, 1.0, deps=(1,))
+    p.emit(stream=Stream.COMPUTE, kind=OpKind.COPY, name="c", unit="u", microbatch=0, duration_s=1.0, deps=(1,))
     t = _times(run_program(p, TWO_RANKS, Variability(), serial=True))
     assert t == {"b": (0.0, 10.0), "ar": (0.0, 4.0), "c": (10.0, 11.0)}
 
@@ -104,16 +108,17 @@ def test_start_frees_release_before_the_op_allocates():
     count at once."""
     p = Program()
     p.emit(
-        Stream.COMPUTE,
-        OpKind.COPY,
-        "a",
-        "u",
-        0,
-        1.0,
-        allocs=(Alloc("old", MemoryCategory.COMM_BUFFERS, 100),),
+        stream=Stream.COMPUTE,
+        kind=OpKind.COPY,
+        name="a",
+        unit="u",
+        microbatch=0,
+        duration_s=1.0,
+        allocs=(Alloc(label="old", category=MemoryCategory.COMM_BUFFERS, bytes=100),),
     )
-    p.emit(Stream.COMPUTE, OpKind.COPY, "b", "u", 0, 1.0, start_frees=("old",),
-           allocs=(Alloc("new", MemoryCategory.COMM_BUFFERS, 100),))  # fmt: skip
+    p.emit(stream=Stream.COMPUTE, kind=OpKind.COPY, name="b", unit="u", microbatch=0, duration_s=1.0,
+           start_frees=("old",),
+           allocs=(Alloc(label="new", category=MemoryCategory.COMM_BUFFERS, bytes=100),))  # fmt: skip
     table = run_program(p, TWO_RANKS, Variability(), serial=False)
     live = peak = 0
     for m in table.memory_of(0):

@@ -6,6 +6,7 @@ from simtest import make_scenario
 from sim.core.events import MemoryCategory
 from sim.outputs.memory_curve import memory_curve
 from sim.workload.model import PRESETS, n_params
+from sim.outputs.report import build_report
 from sim.simulate import simulate
 from sim.workload.units import padded_numel
 
@@ -33,8 +34,8 @@ def test_full_shard_holds_16_bytes_per_param_over_k(k):
     assert _persistent(r, "param:") == 4 * PHI_7B // k
     assert _persistent(r, "optim:") == 8 * PHI_7B // k
     assert _persistent(r, "sharded_grads") == 4 * PHI_7B // k
-    assert r.report["model_state_bytes"] == 16 * PHI_7B // k
-    assert r.report["model_state_bytes_deepspeed_convention"] == 16 * PHI_7B // k
+    assert build_report(r).to_json()["model_state_bytes"] == 16 * PHI_7B // k
+    assert build_report(r).to_json()["model_state_bytes_deepspeed_convention"] == 16 * PHI_7B // k
 
 
 def test_shard_grad_op_keeps_unsharded_bf16_params_through_backward():
@@ -43,17 +44,17 @@ def test_shard_grad_op_keeps_unsharded_bf16_params_through_backward():
         make_scenario(model=BIG, training=SHORT, parallel={"world_size": k, "strategy": "SHARD_GRAD_OP"},
                       precision={"param_dtype": "bf16"})
     )  # fmt: skip
-    assert r.report["model_state_bytes"] == 16 * PHI_7B // k
-    assert r.report["model_state_bytes_deepspeed_convention"] == 2 * PHI_7B + 14 * PHI_7B // k
-    at_peak = r.report["memory_at_peak_bytes"]
+    assert build_report(r).to_json()["model_state_bytes"] == 16 * PHI_7B // k
+    assert build_report(r).to_json()["model_state_bytes_deepspeed_convention"] == 2 * PHI_7B + 14 * PHI_7B // k
+    at_peak = build_report(r).to_json()["memory_at_peak_bytes"]
     # every unit's unsharded bf16 parameters are alive together in backward
     assert at_peak["params"] >= 2 * PHI_7B + 4 * PHI_7B // k - 2 * 131_072_000 * 2
 
 
 def test_ddp_holds_full_state_and_bucket_copy():
     r = simulate(make_scenario(model=BIG, training=SHORT, parallel={"world_size": 8, "strategy": "NO_SHARD"}))
-    assert r.report["model_state_bytes"] == 16 * PHI_7B
-    assert r.report["model_state_bytes_deepspeed_convention"] == 16 * PHI_7B
+    assert build_report(r).to_json()["model_state_bytes"] == 16 * PHI_7B
+    assert build_report(r).to_json()["model_state_bytes_deepspeed_convention"] == 16 * PHI_7B
     assert _persistent(r, "params") == 4 * PHI_7B
     assert _persistent(r, "ddp_buckets") == 4 * PHI_7B  # gradient_as_bucket_view=False
     assert _persistent(r, "grads:") == 4 * PHI_7B
@@ -64,7 +65,7 @@ def test_hybrid_shard_state_divides_by_shard_group_only():
         make_scenario(model=BIG, training=SHORT, precision={"param_dtype": "bf16"},
                       parallel={"world_size": 16, "strategy": "HYBRID_SHARD", "shard_group_size": 8})
     )  # fmt: skip
-    assert r.report["model_state_bytes"] == 16 * PHI_7B // 8
+    assert build_report(r).to_json()["model_state_bytes"] == 16 * PHI_7B // 8
 
 
 def test_fsdp2_pads_dim0_to_the_shard_group():
@@ -76,7 +77,7 @@ def test_fsdp2_pads_dim0_to_the_shard_group():
     padded = sum(padded_numel(s, k) for s in param_specs(PRESETS["tiny"]))
     assert padded > n_params(PRESETS["tiny"])
     assert _persistent(r, "param:") == padded // k * 4
-    assert r.report["model_state_bytes"] == 16 * padded // k
+    assert build_report(r).to_json()["model_state_bytes"] == 16 * padded // k
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"])
@@ -92,7 +93,7 @@ def test_ledger_never_negative_and_step_returns_to_resident_state(strategy, ckpt
         assert curve.by_category[category].min() >= 0
     initial = sum(a.bytes for a in r.program.initial)
     assert int(curve.total[-1]) == initial  # every transient buffer was freed by the end
-    assert r.report["peak_memory_bytes"] == int(curve.total.max())
+    assert build_report(r).to_json()["peak_memory_bytes"] == int(curve.total.max())
 
 
 def test_checkpointed_7b_keeps_one_block_input_per_layer():
@@ -102,4 +103,4 @@ def test_checkpointed_7b_keeps_one_block_input_per_layer():
                                checkpointing={"mode": "full"}))  # fmt: skip
     block_inputs = _persistent(r, "block_input")
     assert block_inputs == 32 * 32 * 4096 * 4096 * 2
-    assert r.report["memory_at_peak_bytes"]["activations"] >= block_inputs * 31 // 32
+    assert build_report(r).to_json()["memory_at_peak_bytes"]["activations"] >= block_inputs * 31 // 32

@@ -9,6 +9,7 @@ from simtest import make_profile, make_scenario
 
 from sim.core.events import MemoryCategory, Stream
 from sim.outputs.memory_curve import memory_curve
+from sim.outputs.report import build_report
 from sim.simulate import simulate
 
 scenario_args = st.fixed_dictionaries(
@@ -113,8 +114,8 @@ def _members(result, op):
 @settings(max_examples=10, deadline=None)
 @given(scenario_args)
 def test_same_seed_gives_bit_identical_json(a):
-    first = json.dumps(_run(a).report, sort_keys=True)
-    second = json.dumps(_run(a).report, sort_keys=True)
+    first = json.dumps(build_report(_run(a)).to_json(), sort_keys=True)
+    second = json.dumps(build_report(_run(a)).to_json(), sort_keys=True)
     assert first == second
 
 
@@ -122,8 +123,8 @@ def test_jitter_makes_ranks_differ_and_is_seeded():
     a = {"strategy": "FULL_SHARD", "wrap": "block", "world_size": 4, "layers": 2, "ckpt": "none",
          "forward_prefetch": 0, "backward_prefetch": 1, "grad_accum": 1, "param_dtype": "fp32", "jitter": 0.2,
          "slow_rank": None, "overlap": True, "temp_buffers": False, "seed": 1}  # fmt: skip
-    r1 = _run(a).report
-    r2 = _run(a | {"seed": 2}).report
+    r1 = build_report(_run(a)).to_json()
+    r2 = build_report(_run(a | {"seed": 2})).to_json()
     assert len({p["step_time_s"] for p in r1["per_rank"]}) > 1 or r1["ranks_simulated"] == 4
     assert r1["step_time_s"] != r2["step_time_s"]
 
@@ -134,8 +135,8 @@ def test_slow_rank_delays_everyone_through_collectives():
             "slow_rank": None, "overlap": True, "temp_buffers": False, "seed": 0}  # fmt: skip
     fast = _run(base)
     slow = _run(base | {"slow_rank": 1})
-    assert slow.report["ranks_simulated"] == 4 and fast.report["ranks_simulated"] == 1
-    assert slow.report["step_time_s"] > fast.report["step_time_s"]
+    assert build_report(slow).to_json()["ranks_simulated"] == 4 and build_report(fast).to_json()["ranks_simulated"] == 1
+    assert build_report(slow).to_json()["step_time_s"] > build_report(fast).to_json()["step_time_s"]
     # the other ranks wait for rank 1 at every collective: their idle time grows
-    idle = [p["breakdown_s"]["idle"] for p in slow.report["per_rank"]]
+    idle = [p["breakdown_s"]["idle"] for p in build_report(slow).to_json()["per_rank"]]
     assert min(idle[0], idle[2], idle[3]) > idle[1]

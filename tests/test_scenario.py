@@ -7,15 +7,9 @@ import pytest
 
 from sim.errors import UserError
 from sim.workload.model import PRESETS
-from sim.scenario.loader import (
-    CheckpointMode,
-    OptimizerName,
-    Scenario,
-    Strategy,
-    WrapPolicy,
-    load_scenario,
-    parse_override,
-)
+from sim.scenario.loader import load_scenario, parse_override
+from sim.scenario.sections import Scenario
+from sim.workload.options import CheckpointMode, OptimizerName, Strategy, WrapPolicy
 
 FULL = """
 [model]

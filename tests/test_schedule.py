@@ -5,6 +5,7 @@ from simtest import make_profile, make_scenario
 
 from sim.costs.collectives import wire_bytes_per_rank
 from sim.core.events import OpKind, Stream
+from sim.outputs.report import build_report
 from sim.simulate import simulate
 from sim.workload.units import ROOT
 
@@ -39,7 +40,7 @@ def test_exact_event_log_two_units_two_ranks_serial_backend():
         assert [(o.kind.value, o.unit) for o in ops] == expected
         for before, after in zip(ops, ops[1:], strict=False):
             assert after.start_s == pytest.approx(before.end_s, abs=1e-15)
-    assert r.events.simulated_ranks == [0]
+    assert r.events.simulated_ranks == (0,)
 
 
 def test_gpu_backend_overlaps_next_all_gather_with_compute():
@@ -118,7 +119,7 @@ def test_ddp_all_reduces_every_gradient_once_in_buckets():
     assert not [o for o in ops if o.kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER)]
     ar = [o for o in ops if o.kind is OpKind.ALL_REDUCE]
     assert len(ar) > 1
-    assert sum(o.bytes for o in ar) == r.report["n_params"] * 4
+    assert sum(o.bytes for o in ar) == build_report(r).to_json()["n_params"] * 4
     first_backward_end = min(o.end_s for o in ops if o.kind is OpKind.BACKWARD)
     last_backward_end = max(o.end_s for o in ops if o.kind is OpKind.BACKWARD)
     assert ar[0].start_s >= first_backward_end
@@ -129,11 +130,11 @@ def test_backward_prefetch_reduces_exposed_communication_when_comm_is_slow():
     base = {"model": {"preset": "llama2-7b", "n_layers": 4}, "training": {"micro_batch": 1, "seq_len": 4096},
             "parallel": {"world_size": 8}, "precision": {"param_dtype": "bf16"}}  # fmt: skip
     slow_links = make_profile(bus_bw_Bps=50e9)
-    with_prefetch = simulate(make_scenario(**base), slow_links).report
+    with_prefetch = build_report(simulate(make_scenario(**base), slow_links)).to_json()
     # premise: gathering the weights takes longer than computing with them
     assert with_prefetch["collectives"]["all_gather"]["time_s"] > with_prefetch["breakdown_s"]["compute"]
     base["parallel"] = {"world_size": 8, "backward_prefetch": 0}
-    without = simulate(make_scenario(**base), slow_links).report
+    without = build_report(simulate(make_scenario(**base), slow_links)).to_json()
     assert without["breakdown_s"]["exposed_comm"] > with_prefetch["breakdown_s"]["exposed_comm"] * 1.2
     assert without["step_time_s"] > with_prefetch["step_time_s"]
 
@@ -146,7 +147,7 @@ def test_no_reshard_after_forward_drops_backward_all_gathers_and_keeps_params():
     count = lambda r: sum(o.kind is OpKind.ALL_GATHER for o in r.events.ops_of(0))  # noqa: E731
     assert count(resharded) == 1 + 2 * 4 and count(kept) == 1 + 4
     layer_bytes = [u.padded_numel(2) * 4 for u in kept.step.units if not u.is_root]
-    rise = kept.report["peak_memory_bytes"] - resharded.report["peak_memory_bytes"]
+    rise = build_report(kept).to_json()["peak_memory_bytes"] - build_report(resharded).to_json()["peak_memory_bytes"]
     # at the peak the resharded run holds at most two gathered layers; the other run holds all
     assert sum(layer_bytes) - 2 * max(layer_bytes) <= rise <= sum(layer_bytes)
 
@@ -157,10 +158,10 @@ def test_checkpointing_recomputes_each_block_and_saves_less():
     recomputes = [o for o in ckpt.events.ops_of(0) if o.kind is OpKind.RECOMPUTE]
     assert sorted({o.unit for o in recomputes}) == [f"model.layers.{i}" for i in range(4)]
     assert (
-        ckpt.report["memory_at_peak_bytes"]["activations"]
-        < plain.report["memory_at_peak_bytes"]["activations"]
+        build_report(ckpt).to_json()["memory_at_peak_bytes"]["activations"]
+        < build_report(plain).to_json()["memory_at_peak_bytes"]["activations"]
     )
-    assert ckpt.report["breakdown_s"]["compute"] > plain.report["breakdown_s"]["compute"]
+    assert build_report(ckpt).to_json()["breakdown_s"]["compute"] > build_report(plain).to_json()["breakdown_s"]["compute"]
 
 
 def test_grad_accumulation_runs_every_microbatch_and_one_optimizer_step():
@@ -169,7 +170,7 @@ def test_grad_accumulation_runs_every_microbatch_and_one_optimizer_step():
     assert {o.microbatch for o in ops if o.kind is OpKind.FORWARD} == {0, 1, 2}
     assert sum(o.kind is OpKind.OPTIMIZER for o in ops) == 1
     assert sum(o.kind is OpKind.REDUCE_SCATTER for o in ops) == 3 * len(r.step.units)
-    assert r.report["tokens_per_step"] == 1 * 32 * 3 * 2
+    assert build_report(r).to_json()["tokens_per_step"] == 1 * 32 * 3 * 2
 
 
 def test_linear_wrap_issues_two_collectives_per_linear():
@@ -193,10 +194,10 @@ def test_ddp_checkpointing_recomputes_each_block_and_keeps_only_block_inputs():
     ]
     assert len(block_inputs) == 3 and all(m.delta_bytes == 2 * 64 * 64 * 4 for m in block_inputs)
     assert (
-        ckpt.report["memory_at_peak_bytes"]["activations"]
-        < plain.report["memory_at_peak_bytes"]["activations"]
+        build_report(ckpt).to_json()["memory_at_peak_bytes"]["activations"]
+        < build_report(plain).to_json()["memory_at_peak_bytes"]["activations"]
     )
-    assert ckpt.report["step_time_s"] > plain.report["step_time_s"]
+    assert build_report(ckpt).to_json()["step_time_s"] > build_report(plain).to_json()["step_time_s"]
 
 
 def _max_live(result, prefix):
@@ -222,7 +223,7 @@ def test_all_gathers_in_flight_are_limited_by_the_copy_out_chain(prefetch, limit
         precision={"param_dtype": "bf16"},
     )
     r = simulate(s, make_profile(bus_bw_Bps=5e12))  # communication much faster than compute
-    assert r.report["collectives"]["all_gather"]["time_s"] < 0.1 * r.report["breakdown_s"]["compute"]
+    assert build_report(r).to_json()["collectives"]["all_gather"]["time_s"] < 0.1 * build_report(r).to_json()["breakdown_s"]["compute"]
     assert _max_live(r, "all_gather_output") == limit
 
 

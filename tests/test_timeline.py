@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sim.core.events import OpKind
+from sim.outputs.report import build_report
 from sim.outputs.intervals import exposed_comm_intervals, union_length
 from sim.study.sweep.plots import pareto_front, write_sweep_plots
 from sim.outputs.timeline import KIND_COLOURS, timeline_figure, write_timeline_html
@@ -156,7 +157,7 @@ def test_real_scenario_timeline_renders(browser, tmp_path):
     result = simulate(load_scenario(SCENARIOS / "tiny.toml"))
     path = tmp_path / "tiny.html"
     write_timeline_html(
-        result.events, path, title="tiny", device_memory_bytes=result.report["device_memory_bytes"]
+        result.events, path, title="tiny", device_memory_bytes=build_report(result).to_json()["device_memory_bytes"]
     )
     assert_rendered(browser.load(path))
 

@@ -13,6 +13,7 @@ import pytest
 
 from sim.core.events import OpKind
 from sim.scenario.loader import load_scenario
+from sim.outputs.report import build_report
 from sim.simulate import simulate
 from validation.compare import simulated_phases
 from validation.real_timeline import timeline_table
@@ -105,7 +106,7 @@ def test_simulated_phases_split_where_the_real_timers_split() -> None:
     optimizer = next(o for o in ops if o.kind is OpKind.OPTIMIZER)
     assert phases["optimizer"] == optimizer.duration_s
     assert phases["forward"] + phases["backward"] + phases["optimizer"] == pytest.approx(
-        r.report["step_time_s"], rel=1e-9
+        build_report(r).step_time_s, rel=1e-9
     )
 
 

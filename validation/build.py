@@ -13,8 +13,8 @@ from torch import nn
 
 from calibrate.hf_llama import llama_config
 from calibrate.sweep import TORCH_DTYPES
-from sim.workload.model import ModelConfig
 from sim.scenario.sections import Scenario
+from sim.workload.model import ModelConfig
 from sim.workload.options import CheckpointMode, Strategy, WrapPolicy
 from sim.workload.units import unit_prefixes
 

@@ -2,14 +2,12 @@
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, NamedTuple
 
 from sim.errors import UserError
 from sim.fileio import write_text_atomic
+from validation.run import Validation, validate_one
 
 PROG = "fsdpsim validate"
 
@@ -42,64 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def calibrated_profile(
-    scenario_path: str, overrides: list[str], nproc: int, folder: Path, base: str | None
-) -> str:
-    """A profile with this machine's collectives and this scenario's per-unit compute."""
-    from calibrate.cli import main as calibrate_main
-
-    profile = folder / "profile.json"
-    if base is not None:
-        shutil.copyfile(base, profile)
-    elif calibrate_main(["comm", "--nproc", str(nproc), "--out", str(profile), "--max-bytes", "16M"]) != 0:
-        raise UserError("calibrating the collectives failed (see above)")
-    sets = [a for o in overrides for a in ("--set", o)]
-    # ranks compute at once in training: measure with as many ranks as the real run has
-    if (
-        calibrate_main(["compute", scenario_path, "--profile", str(profile), "--nproc", str(nproc), *sets])
-        != 0
-    ):
-        raise UserError("calibrating the per-unit compute failed (see above)")
-    return str(profile)
-
-
-class Validation(NamedTuple):
-    predicted: Any  # sim.simulate.SimResult
-    ranks: list[dict[str, Any]]  # each rank's measurements (validation.worker)
-    comparison: Any  # validation.compare.Comparison
-
-
-def validate_one(
-    scenario_path: str,
-    overrides: list[str],
-    *,
-    nproc: int,
-    steps: int,
-    warmup: int,
-    profile: str | None,
-    timeout_s: float,
-) -> "Validation":
-    """Run for real, simulate with a calibrated profile, and compare."""
-    from sim.hardware.registry import load_profile
-    from sim.scenario.loader import load_scenario
-    from sim.workload.options import Strategy
-    from sim.simulate import simulate
-    from validation.compare import compare
-    from validation.launch import run_real
-
-    overrides = [*overrides, f"parallel.world_size={nproc}"]
-    load_scenario(scenario_path, overrides)  # a user mistake fails here, before anything runs
-    with tempfile.TemporaryDirectory(prefix="fsdpsim-profile-") as tmp:
-        if profile is None or load_profile(profile).compute is None:
-            profile = calibrated_profile(scenario_path, overrides, nproc, Path(tmp), profile)
-        scenario = load_scenario(scenario_path, [*overrides, f"cluster.profile={json.dumps(profile)}"])
-        result = simulate(scenario)
-    spec = {"scenario": scenario_path, "overrides": overrides, "steps": steps, "warmup": warmup}
-    ranks = run_real(spec, nproc, timeout_s)
-    fsdp = scenario.parallel.strategy is not Strategy.NO_SHARD
-    return Validation(result, ranks, compare(result.report, result.events, ranks, fsdp=fsdp))
-
-
 def main(argv: list[str]) -> int:
     from validation.compare import as_json, format_markdown
 
@@ -120,9 +60,14 @@ def main(argv: list[str]) -> int:
     if args.timeline and Path(args.timeline).is_dir():
         raise UserError(f"{args.timeline}: is a directory, expected a file path")
     validation = validate_one(
-        args.scenario, args.overrides, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
-        profile=args.profile, timeout_s=args.timeout,
-    )  # fmt: skip
+        args.scenario,
+        args.overrides,
+        nproc=args.nproc,
+        steps=args.steps,
+        warmup=args.warmup,
+        profile=args.profile,
+        timeout_s=args.timeout,
+    )
     comparison = validation.comparison
     if args.timeline:
         _write_timeline(args.timeline, args.scenario, validation)
@@ -144,9 +89,11 @@ def _write_timeline(path: str, title: str, validation: Validation) -> None:
         )
     table = timeline_table(real["phases"], real["collectives"], validation.predicted.events.world_size)
     write_timeline_html(
-        validation.predicted.events, path, title=f"{title}: predicted (top) and measured on rank 0 (bottom)",
+        validation.predicted.events,
+        path,
+        title=f"{title}: predicted (top) and measured on rank 0 (bottom)",
         compare=("measured", table),
-    )  # fmt: skip
+    )
     print(f"timeline written to {path}", file=sys.stderr)
 
 

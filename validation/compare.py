@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sim.core.events import EventTable, MemoryCategory, OpKind
+from sim.outputs.report import StepReport
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -83,55 +84,72 @@ def simulated_waits(table: EventTable, rank: int = 0) -> tuple[float, float]:
     return sum(o.end_s - o.start_s for o in ops), sum(o.start_s - o.ready_s for o in ops)
 
 
-def compare(
-    report: dict[str, Any], table: EventTable, ranks: list[dict[str, Any]], *, fsdp: bool = True
-) -> Comparison:
-    """``fsdp``: FSDP2 issues every collective through ``torch.distributed`` (timed on the host);
-    DDP's reducer does not, so a DDP run gets no rank-skew rows."""
-    out = Comparison(measured_step_s=measured_step(ranks))
-    out.rows.append(Row("step time", report["step_time_s"], out.measured_step_s["median"], "s"))
+def _time_rows(
+    report: StepReport, table: EventTable, ranks: list[dict[str, Any]], measured_step_s: float, fsdp: bool
+) -> list[Row]:
+    """Step time and its phases; on a CPU FSDP2 run, the collectives' own time and the wait for the
+    late rank (DDP's reducer calls the backend below ``torch.distributed``, so it has no such rows)."""
+    rows = [Row("step time", report.step_time_s, measured_step_s, "s")]
     predicted_phases = simulated_phases(table)
-    for phase in PHASES:
-        measured = max(r["phases_s"][phase] for r in ranks)
-        out.rows.append(Row(f"{phase}", predicted_phases[phase], measured, "s"))
+    rows += [
+        Row(phase, predicted_phases[phase], max(r["phases_s"][phase] for r in ranks), "s") for phase in PHASES
+    ]
     measured_waits = collective_waits(ranks) if fsdp else None
     simulated_count = sum(1 for o in table.ops_of(0) if o.kind.is_collective)
     timed_count = len(ranks[0].get("timeline", {}).get("collectives") or [])
     if measured_waits is not None and timed_count == simulated_count:  # one step: noisier than the medians
         predicted_waits = simulated_waits(table)
-        out.rows.append(Row("collectives, one step", predicted_waits[0], measured_waits[0], "s"))
-        out.rows.append(Row("wait for the late rank, one step", predicted_waits[1], measured_waits[1], "s"))
-    peak_rank = max(ranks, key=lambda r: r["memory_peak"]["total"])["memory_peak"]
-    out.rows.append(Row("peak memory", report["peak_memory_bytes"], peak_rank["total"], "B"))
-    if "cuda_max_allocated" in peak_rank:  # on a GPU: the caching allocator's own peak as well
-        out.rows.append(
-            Row("peak memory (allocator)", report["peak_memory_bytes"], peak_rank["cuda_max_allocated"], "B")
+        rows.append(Row("collectives, one step", predicted_waits[0], measured_waits[0], "s"))
+        rows.append(Row("wait for the late rank, one step", predicted_waits[1], measured_waits[1], "s"))
+    return rows
+
+
+def memory_rows(report: StepReport, measured: dict[str, Any]) -> list[Row]:
+    """The peak and its categories (each side at its own peak); on a GPU also the allocator's peak."""
+    rows = [Row("peak memory", report.peak_memory_bytes, measured["total"], "B")]
+    if "cuda_max_allocated" in measured:
+        rows.append(
+            Row("peak memory (allocator)", report.peak_memory_bytes, measured["cuda_max_allocated"], "B")
         )
-    for category in MemoryCategory:
-        out.rows.append(
-            Row(
-                f"  {category.value}",
-                report["memory_at_peak_bytes"][category.value],
-                peak_rank.get(category.value, 0),
-                "B",
-            )
-        )
-    real = ranks[0]["collectives"]
-    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
-        p = report["collectives"].get(kind, {"count": 0, "bytes": 0})
-        m = real.get(kind, {"count": 0, "bytes": 0})
-        if p["count"] or m["count"]:
-            out.collectives.append(
+    rows += [
+        Row(f"  {c.value}", report.memory_at_peak[c], measured.get(c.value, 0), "B") for c in MemoryCategory
+    ]
+    return rows
+
+
+def _collective_rows(report: StepReport, real: dict[str, Any]) -> list[dict[str, Any]]:
+    """Predicted against counted collectives, per kind that either side issued."""
+    out = []
+    for kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE):
+        p = report.collectives.get(kind)
+        p_count, p_bytes = (p.count, p.bytes) if p else (0, 0)
+        m = real.get(kind.value, {"count": 0, "bytes": 0})
+        if p_count or m["count"]:
+            out.append(
                 {
-                    "collective": kind,
-                    "predicted_count": int(p["count"]),
+                    "collective": kind.value,
+                    "predicted_count": p_count,
                     "measured_count": m["count"],
-                    "predicted_bytes": int(p["bytes"]),
+                    "predicted_bytes": p_bytes,
                     "measured_bytes": m["bytes"],
-                    "match": int(p["count"]) == m["count"] and int(p["bytes"]) == m["bytes"],
+                    "match": p_count == m["count"] and p_bytes == m["bytes"],
                 }
             )
     return out
+
+
+def compare(
+    report: StepReport, table: EventTable, ranks: list[dict[str, Any]], *, fsdp: bool = True
+) -> Comparison:
+    """The prediction against every rank's measurements. ``fsdp``: FSDP2 issues every collective
+    through ``torch.distributed`` (timed on the host); DDP's reducer does not."""
+    step = measured_step(ranks)
+    peak_rank = max(ranks, key=lambda r: r["memory_peak"]["total"])["memory_peak"]
+    return Comparison(
+        rows=_time_rows(report, table, ranks, step["median"], fsdp) + memory_rows(report, peak_rank),
+        collectives=_collective_rows(report, ranks[0]["collectives"]),
+        measured_step_s=step,
+    )
 
 
 def _fmt(value: float, unit: str) -> str:

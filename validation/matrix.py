@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sim.fileio import write_text_atomic
 from validation.compare import Comparison, Row, format_markdown
+from validation.run import calibrate_collectives, calibrated_profile, validate_one
 
 BASE = "scenarios/validate-cpu.toml"
 ROUNDS = 3
@@ -57,7 +58,7 @@ MEMORY_MATRIX: list[tuple[str, list[str]]] = [
     (
         "Llama-3-70B, 64 ranks, bf16, reshard_after_forward=False",
         [*_70B, *_BF16, "parallel.reshard_after_forward=false"],
-    ),  # fmt: skip
+    ),
 ]
 
 
@@ -99,11 +100,15 @@ def median_comparison(rounds: list[Comparison]) -> Comparison:
     first = rounds[0]
     by_metric = [{r.metric: r for r in c.rows} for c in rounds]
     rows = [
-        Row(row.metric, statistics.median(m[row.metric].predicted for m in by_metric),
-            statistics.median(m[row.metric].measured for m in by_metric), row.unit)
+        Row(
+            row.metric,
+            statistics.median(m[row.metric].predicted for m in by_metric),
+            statistics.median(m[row.metric].measured for m in by_metric),
+            row.unit,
+        )
         for row in first.rows
         if all(row.metric in m for m in by_metric)  # a row some round lacks is left out
-    ]  # fmt: skip
+    ]
     collectives = [
         dict(c, match=all(r.collectives[i]["match"] for r in rounds)) for i, c in enumerate(first.collectives)
     ]
@@ -122,9 +127,6 @@ def run_matrix(
     """Every configuration of MATRIX for real on ``nproc`` ranks in ``rounds`` interleaved rounds,
     then MEMORY_MATRIX in fake mode; ``out`` is rewritten after each run, so a stopped run keeps
     what it has."""
-    from calibrate.cli import main as calibrate_main
-    from sim.errors import UserError
-    from validation.cli import calibrated_profile, validate_one
     from validation.memory_only import validate_memory_only
 
     runs: list[list[Comparison]] = [[] for _ in MATRIX]
@@ -133,8 +135,7 @@ def run_matrix(
     with tempfile.TemporaryDirectory(prefix="fsdpsim-matrix-") as tmp:
         for rnd in range(rounds):
             comm = Path(tmp) / f"comm{rnd}.json"
-            if calibrate_main(["comm", "--nproc", str(nproc), "--out", str(comm), "--max-bytes", "16M"]) != 0:
-                raise UserError("calibrating the collectives failed")
+            calibrate_collectives(comm, nproc)
             for i, (name, overrides) in enumerate(MATRIX):
                 print(f"[round {rnd + 1}/{rounds}, {i + 1}/{len(MATRIX)}] {name}", flush=True)
                 folder = Path(tmp) / f"round{rnd}-config{i}"
@@ -191,18 +192,32 @@ def _document(
     nproc: int,
     rounds: int,
 ) -> str:
-    text = ["# Validation: fsdp-sim against real FSDP2 runs", "", *_machine(nproc), "",
-            f"`make validate` ({steps} timed steps after {warmup} warm-up, {nproc} ranks; base `{BASE}`). "
-            f"{rounds} interleaved round(s): each recalibrates the collectives, then calibrates every configuration's "
-            "compute for its own dimensions and runs it for real right after. Every figure below is the median "
-            "over rounds (the min and max of a measured step are over all rounds).", "",
-            "## Summary", "", *_summary(results), ""]  # fmt: skip
+    text = [
+        "# Validation: fsdp-sim against real FSDP2 runs",
+        "",
+        *_machine(nproc),
+        "",
+        f"`make validate` ({steps} timed steps after {warmup} warm-up, {nproc} ranks; base `{BASE}`). "
+        f"{rounds} interleaved round(s): each recalibrates the collectives, then calibrates every configuration's "
+        "compute for its own dimensions and runs it for real right after. Every figure below is the median "
+        "over rounds (the min and max of a measured step are over all rounds).",
+        "",
+        "## Summary",
+        "",
+        *_summary(results),
+        "",
+    ]
     if memory:
-        text += ["## Memory at scale (`fsdpsim validate --memory-only`)", "",
-                 "One rank of the real FSDP2 step at the preset's world size (fake process group, FakeTensorMode, "
-                 f"FSDPMemTracker), base `{MEMORY_BASE}` (micro-batch 2 x 4096; 70B: micro-batch 1), against the "
-                 "simulator with the attention kernel that ran. Categories are at each side's own peak.", "",
-                 *_memory_summary(memory), ""]  # fmt: skip
+        text += [
+            "## Memory at scale (`fsdpsim validate --memory-only`)",
+            "",
+            "One rank of the real FSDP2 step at the preset's world size (fake process group, FakeTensorMode, "
+            f"FSDPMemTracker), base `{MEMORY_BASE}` (micro-batch 2 x 4096; 70B: micro-batch 1), against the "
+            "simulator with the attention kernel that ran. Categories are at each side's own peak.",
+            "",
+            *_memory_summary(memory),
+            "",
+        ]
     text += ["## Every configuration", ""]
     for name, comparison in [*results, *memory]:
         text += [format_markdown(name, comparison), ""]

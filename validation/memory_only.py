@@ -4,13 +4,13 @@
 import dataclasses
 from typing import Any
 
-from sim.core.events import MemoryCategory
 from sim.hardware.registry import load_profile
 from sim.hardware.schema import HardwareProfile
+from sim.outputs.report import build_report
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.simulate import simulate
-from validation.compare import Comparison, Row
+from validation.compare import Comparison, memory_rows
 
 
 def matching_profile(scenario: Scenario, attention_kernel: str) -> HardwareProfile:
@@ -26,13 +26,8 @@ def matching_profile(scenario: Scenario, attention_kernel: str) -> HardwareProfi
 def compare_memory(scenario: Scenario, measured: dict[str, Any]) -> Comparison:
     """Predicted against measured peak memory and its categories."""
     profile = matching_profile(scenario, measured["kernels"]["attention_kernel"])
-    report = simulate(scenario, profile).report
-    out = Comparison()
-    out.rows.append(Row("peak memory", report["peak_memory_bytes"], measured["total"], "B"))
-    for category in MemoryCategory:
-        c = category.value
-        out.rows.append(Row(f"  {c}", report["memory_at_peak_bytes"][c], measured.get(c, 0), "B"))
-    return out
+    report = build_report(simulate(scenario, profile))
+    return Comparison(rows=memory_rows(report, measured))
 
 
 def validate_memory_only(

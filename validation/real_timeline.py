@@ -21,13 +21,39 @@ def timeline_table(
 ) -> EventTable:
     """Rank 0's measured step: collectives on their streams, the rest of each phase as compute."""
     origin = min(start for _, start, _ in phases)
-    table = EventTable(world_size=world_size, simulated_ranks=[0])
+    ops: list[OpRecord] = []
     spans = [(s - origin, e - origin) for _, s, e, _ in collectives]
     for i, (kind, start, end, nbytes) in enumerate(collectives):
-        table.ops.append(OpRecord(0, i, STREAMS[kind], OpKind(kind), f"{kind} (measured)", "", 0,
-                                  start - origin, start - origin, end - origin, nbytes, world_size))  # fmt: skip
+        ops.append(
+            OpRecord(
+                rank=0,
+                op_id=i,
+                stream=STREAMS[kind],
+                kind=OpKind(kind),
+                name=f"{kind} (measured)",
+                unit="",
+                microbatch=0,
+                ready_s=start - origin,
+                start_s=start - origin,
+                end_s=end - origin,
+                bytes=nbytes,
+                group_size=world_size,
+            )
+        )
     for name, start, end in phases:
         for a, b in difference([(start - origin, end - origin)], spans):
-            table.ops.append(OpRecord(0, len(table.ops), Stream.COMPUTE, OpKind(name), f"{name} (measured)", "",
-                                      0, a, a, b))  # fmt: skip
-    return table
+            ops.append(
+                OpRecord(
+                    rank=0,
+                    op_id=len(ops),
+                    stream=Stream.COMPUTE,
+                    kind=OpKind(name),
+                    name=f"{name} (measured)",
+                    unit="",
+                    microbatch=0,
+                    ready_s=a,
+                    start_s=a,
+                    end_s=b,
+                )
+            )
+    return EventTable(world_size=world_size, simulated_ranks=(0,), ops=tuple(ops))

@@ -28,13 +28,23 @@ def _positive_int(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="fsdpsim sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("scenario", help="scenario TOML file, optionally with a [sweep] table")
-    p.add_argument("--sweep", dest="axes", action="append", default=[], metavar="SECTION.KEY=V1,V2,...",
-                   help="sweep a key over values (repeatable; replaces the file's axis on that key)")  # fmt: skip
+    p.add_argument(
+        "--sweep",
+        dest="axes",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=V1,V2,...",
+        help="sweep a key over values (repeatable; replaces the file's axis on that key)",
+    )
     p.add_argument("--zip", action="store_true", help="pair the i-th values of every axis (equal lengths)")
     add_set_flag(p, "fix a key for every point (repeatable; drops a file axis on that key)")
     p.add_argument("--jobs", type=_positive_int, help="parallel workers (default: the local cores)")
-    p.add_argument("--executor", default="local", metavar="local|ray|dask://HOST:PORT",
-                   help="where points run (default local; ray uses RAY_ADDRESS when set)")  # fmt: skip
+    p.add_argument(
+        "--executor",
+        default="local",
+        metavar="local|ray|dask://HOST:PORT",
+        help="where points run (default local; ray uses RAY_ADDRESS when set)",
+    )
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default out/<scenario name>)")
     return p
 
@@ -72,8 +82,11 @@ def _require_plotly() -> None:
 def _summary(rows: Sequence[dict[str, Any]], wall_s: float, written: Sequence[Path]) -> None:
     failed = [row for row in rows if row["error"]]
     internal = sum(row["error"].startswith("internal error") for row in failed)
-    print(f"{len(rows)} points, {len(rows) - len(failed)} valid, {len(failed)} invalid, in {wall_s:.1f} s; "
-          f"wrote {', '.join(map(str, written))}", file=sys.stderr)  # fmt: skip
+    print(
+        f"{len(rows)} points, {len(rows) - len(failed)} valid, {len(failed)} invalid, in {wall_s:.1f} s; "
+        f"wrote {', '.join(map(str, written))}",
+        file=sys.stderr,
+    )
     if internal:
         print(
             f"warning: {internal} points hit an internal error (a simulator bug; please report)",

@@ -16,18 +16,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("scenario", help="scenario TOML file (see scenarios/)")
     add_set_flag(parser, "override a scenario key before tuning (repeatable)")
     parser.add_argument(
-        "--margin", type=float, default=0.1,
+        "--margin",
+        type=float,
+        default=0.1,
         help="safety margin: a configuration fits when peak <= device memory x (1 - margin); default 0.1",
-    )  # fmt: skip
+    )
     parser.add_argument("--top", type=int, default=5, help="configurations to print (default 5)")
     parser.add_argument(
-        "--global-batch", type=int, default=None, metavar="N",
+        "--global-batch",
+        type=int,
+        default=None,
+        metavar="N",
         help="sequences per optimizer step (default: micro_batch x grad_accum x world_size of the file)",
-    )  # fmt: skip
+    )
     parser.add_argument("--format", choices=("table", "json"), default="table", help="output format")
     return parser
-
-
 
 
 def main(argv: list[str]) -> int:

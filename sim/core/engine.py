@@ -218,7 +218,9 @@ class Engine:
         self.live[rank][label] = (category, nbytes)
         if nbytes > 0:
             self.memory.append(
-                MemoryRecord(rank=rank, time_s=self.env.now, category=category, delta_bytes=nbytes, label=label)
+                MemoryRecord(
+                    rank=rank, time_s=self.env.now, category=category, delta_bytes=nbytes, label=label
+                )
             )
 
     def _free(self, rank: int, label: str) -> None:
@@ -227,7 +229,9 @@ class Engine:
         category, nbytes = self.live[rank].pop(label)
         if nbytes > 0:
             self.memory.append(
-                MemoryRecord(rank=rank, time_s=self.env.now, category=category, delta_bytes=-nbytes, label=label)
+                MemoryRecord(
+                    rank=rank, time_s=self.env.now, category=category, delta_bytes=-nbytes, label=label
+                )
             )
 
 

@@ -74,9 +74,22 @@ class Program:
     ) -> int:
         """Append one op; returns its id (its index, which ``deps`` refer to)."""
         op = ProgramOp(
-            op_id=len(self.ops), stream=stream, kind=kind, name=name, unit=unit, microbatch=microbatch,
-            duration_s=duration_s, deps=deps, allocs=allocs, frees=frees, end_allocs=end_allocs,
-            start_frees=start_frees, group=group, bytes=bytes, algorithm=algorithm, host_async=host_async,
+            op_id=len(self.ops),
+            stream=stream,
+            kind=kind,
+            name=name,
+            unit=unit,
+            microbatch=microbatch,
+            duration_s=duration_s,
+            deps=deps,
+            allocs=allocs,
+            frees=frees,
+            end_allocs=end_allocs,
+            start_frees=start_frees,
+            group=group,
+            bytes=bytes,
+            algorithm=algorithm,
+            host_async=host_async,
         )
         self.ops.append(op)
         return op.op_id

@@ -131,7 +131,9 @@ def _group_scale(costs: ComputeCosts, members: list[LayerOp], measured: UnitMeas
     )
 
 
-def _analytic_costs(profile: HardwareProfile, dtype: str, optimizer: OptimizerName, where: str) -> ComputeCosts:
+def _analytic_costs(
+    profile: HardwareProfile, dtype: str, optimizer: OptimizerName, where: str
+) -> ComputeCosts:
     device = profile.device
     if dtype not in device.peak_flops:
         raise UserError(
@@ -219,7 +221,9 @@ def build_compute_costs(
         for group in CalibrationGroup
     }
     per_param = compute.fsdp_optimizer_s_per_param if fsdp else compute.optimizer_s_per_param
-    optimizer_s = per_param.get(optimizer.value, costs.optimizer_s_per_element) if optimizer.value != "none" else 0.0
+    optimizer_s = (
+        per_param.get(optimizer.value, costs.optimizer_s_per_element) if optimizer.value != "none" else 0.0
+    )
     in_step = compute.host_overhead_in_step
     return ComputeCosts(
         peak_flops=costs.peak_flops,

@@ -98,7 +98,10 @@ class ComputeSection:
             "copy_Bps": self.copy_Bps,
             "optimizer_s_per_param": dict(self.optimizer_s_per_param),
             "fsdp_optimizer_s_per_param": dict(self.fsdp_optimizer_s_per_param),
-            "fsdp_unit_overhead_s": {"forward": self.fsdp_forward_overhead_s, "backward": self.fsdp_backward_overhead_s},
+            "fsdp_unit_overhead_s": {
+                "forward": self.fsdp_forward_overhead_s,
+                "backward": self.fsdp_backward_overhead_s,
+            },
             "host_overhead_in_step": self.host_overhead_in_step,
             "compute_slowdown_during_collective": self.compute_slowdown_during_collective,
         }
@@ -123,7 +126,12 @@ def parse_compute_section(data: Any, where: str) -> ComputeSection:
     for name in UNITS:
         u = units.sub(name)
         measured[name] = UnitMeasurement(
-            **{f: (u.number(f) if f.endswith("_s") else round(u.number(f))) for f in UNIT_FIELDS}
+            forward_s=u.number("forward_s"),
+            backward_s=u.number("backward_s"),
+            recompute_s=u.number("recompute_s"),
+            saved_activation_bytes=round(u.number("saved_activation_bytes")),
+            forward_transient_bytes=round(u.number("forward_transient_bytes")),
+            backward_transient_bytes=round(u.number("backward_transient_bytes")),
         )
     overhead = r.sub("fsdp_unit_overhead_s")
     return ComputeSection(

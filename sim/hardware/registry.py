@@ -5,6 +5,7 @@ is the only reader of a profile file (calibration edits the document it returns)
 once per content: loading the same unchanged file again (every point of a sweep) reuses it.
 """
 
+import copy
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,22 @@ def read_profile_document(path: str | Path) -> dict[str, Any]:
     """The JSON object of a profile file, validated (a UserError names the file and field)."""
     data = read_json(path, "profile")
     profile_from_dict(data, str(path))
-    return data  # type: ignore[no-any-return]
+    return dict(data)
+
+
+def _check_exists(path: str, where: str) -> None:
+    if not Path(path).is_file():
+        raise UserError(
+            f"{where}: {path!r} is neither a built-in profile ({', '.join(BUILTIN_PROFILES)}) nor an existing file"
+        )
+
+
+def profile_document(name_or_path: str, where: str = "cluster.profile") -> dict[str, Any]:
+    """A fresh copy of a profile's JSON document (a built-in by name, or a file), to edit."""
+    if name_or_path in BUILTIN_PROFILES:
+        return copy.deepcopy(BUILTIN_PROFILES[name_or_path])
+    _check_exists(name_or_path, where)
+    return read_profile_document(name_or_path)
 
 
 @lru_cache(maxsize=64)
@@ -37,11 +53,6 @@ def load_profile(name_or_path: str, where: str = "cluster.profile") -> HardwareP
     """A built-in profile by name, or a JSON profile file by path."""
     if name_or_path in BUILTIN_PROFILES:
         return _load_builtin(name_or_path)
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise UserError(
-            f"{where}: {name_or_path!r} is neither a built-in profile ({', '.join(BUILTIN_PROFILES)}) "
-            "nor an existing file"
-        )
-    stat = path.stat()
-    return _load_file(str(path), stat.st_mtime_ns, stat.st_size)
+    _check_exists(name_or_path, where)
+    stat = Path(name_or_path).stat()
+    return _load_file(name_or_path, stat.st_mtime_ns, stat.st_size)

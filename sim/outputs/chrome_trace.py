@@ -105,7 +105,13 @@ def metadata_events(rank: int, streams: Iterable[Stream], names: TraceNames) -> 
     for stream in streams:
         tid = STREAM_IDS[stream]
         events.append(
-            {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": f"stream {tid} {stream}"}}
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": rank,
+                "tid": tid,
+                "args": {"name": f"stream {tid} {stream}"},
+            }
         )
         events.append(
             {"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid, "args": {"sort_index": tid}}

@@ -108,4 +108,6 @@ def rank_breakdown(table: EventTable, rank: int, step_time_s: float) -> Breakdow
     compute = compute_intervals(ops)
     compute_s = union_length(compute)
     exposed_s = subtract_length(collective_intervals(ops), compute)
-    return Breakdown(compute_s=compute_s, exposed_comm_s=exposed_s, idle_s=max(0.0, step_time_s - compute_s - exposed_s))
+    return Breakdown(
+        compute_s=compute_s, exposed_comm_s=exposed_s, idle_s=max(0.0, step_time_s - compute_s - exposed_s)
+    )

@@ -225,4 +225,3 @@ def build_report(result: SimResult) -> StepReport:
         per_rank=tuple(replace(figures[table.rank_of(rank)], rank=rank) for rank in range(k)),
         padding=Padding(seq_len=t.seq_len, avg_seq_len=t.avg_seq_len) if t.avg_seq_len is not None else None,
     )
-

@@ -84,7 +84,11 @@ def shown_ranks(
         picks = [(r, "") for r in sims]
     else:
         finish = {r: max(o.end_s for o in ops[r]) for r in sims}
-        picks = [(0, "rank 0"), (max(finish, key=finish.__getitem__), "slowest"), (min(finish, key=finish.__getitem__), "fastest")]  # fmt: skip
+        picks = [
+            (0, "rank 0"),
+            (max(finish, key=finish.__getitem__), "slowest"),
+            (min(finish, key=finish.__getitem__), "fastest"),
+        ]
     if memory_rank is not None:
         picks.append((memory_rank, "memory"))
     roles: dict[int, list[str]] = {}
@@ -156,10 +160,15 @@ def bar_traces(
             x, y, text = segments(spans)
             out.append((_line(f"{prefix}{kind}", x, y, text, KIND_COLOURS[kind], BAR_PX, kind, legend), row))
     waits = [
-        (o.ready_s, o.start_s, lanes.y[(o.rank, o.stream)], f"{o.name}: waited {(o.start_s - o.ready_s) * MS_PER_S:.3f} ms for the slowest rank")
+        (
+            o.ready_s,
+            o.start_s,
+            lanes.y[(o.rank, o.stream)],
+            f"{o.name}: waited {(o.start_s - o.ready_s) * MS_PER_S:.3f} ms for the slowest rank",
+        )
         for o in lane_ops
         if o.kind.is_collective and o.start_s > o.ready_s
-    ]  # fmt: skip
+    ]
     if waits:
         out.append(
             (_line(f"{prefix}wait for slowest rank", *segments(waits), WAIT_COLOUR, 3, "wait", legend), row)
@@ -188,9 +197,18 @@ def _line(
 ) -> dict:
     """Kwargs of one Scattergl line-segment trace."""
     return dict(
-        type="scattergl", name=name, x=x, y=y, mode="lines", hovertext=text, hoverinfo="text",
-        line=dict(color=colour, width=width), legendgroup=str(group), showlegend=legend, connectgaps=False,
-    )  # fmt: skip
+        type="scattergl",
+        name=name,
+        x=x,
+        y=y,
+        mode="lines",
+        hovertext=text,
+        hoverinfo="text",
+        line=dict(color=colour, width=width),
+        legendgroup=str(group),
+        showlegend=legend,
+        connectgaps=False,
+    )
 
 
 def curve_steps(curve: MemoryCurve, end_s: float) -> tuple[list[float], dict[MemoryCategory, list[float]]]:
@@ -205,7 +223,9 @@ def curve_steps(curve: MemoryCurve, end_s: float) -> tuple[list[float], dict[Mem
     return times, values
 
 
-def memory_traces(curve: MemoryCurve, end_s: float, label: str, row: int, visible: bool) -> list[tuple[Any, int]]:
+def memory_traces(
+    curve: MemoryCurve, end_s: float, label: str, row: int, visible: bool
+) -> list[tuple[Any, int]]:
     """Stacked step curves by category (in GiB) and a marker on the peak, with its breakdown."""
     times, curves = curve_steps(curve, end_s)
     x = [t * MS_PER_S for t in times]
@@ -213,21 +233,46 @@ def memory_traces(curve: MemoryCurve, end_s: float, label: str, row: int, visibl
     out: list[tuple[Any, int]] = []
     for c in used:
         y = [v / BYTES_PER_GIB for v in curves[c]]
-        out.append((dict(
-            type="scatter", name=f"{c} ({label})", x=x, y=y, mode="lines", line=dict(shape="hv", width=0.5, color=CATEGORY_COLOURS[c]),
-            stackgroup=f"memory {label}", legendgroup=f"memory {c}", visible=visible,
-            hovertemplate=f"{c}: %{{y:.2f}} GiB at %{{x:.3f}} ms<extra>{label}</extra>",
-        ), row))  # fmt: skip
+        out.append(
+            (
+                dict(
+                    type="scatter",
+                    name=f"{c} ({label})",
+                    x=x,
+                    y=y,
+                    mode="lines",
+                    line=dict(shape="hv", width=0.5, color=CATEGORY_COLOURS[c]),
+                    stackgroup=f"memory {label}",
+                    legendgroup=f"memory {c}",
+                    visible=visible,
+                    hovertemplate=f"{c}: %{{y:.2f}} GiB at %{{x:.3f}} ms<extra>{label}</extra>",
+                ),
+                row,
+            )
+        )
     k = curve.peak_index() + 1 if len(curve.times_s) else 0  # +1: the step plot starts at 0 B
     at_peak = curve.at(curve.peak_index()) if len(curve.times_s) else dict.fromkeys(MemoryCategory, 0)
     total = curve.peak_bytes()
     breakdown = "<br>".join(f"{c}: {fmt_bytes(at_peak[c])}" for c in used)
-    out.append((dict(
-        type="scatter", name=f"peak ({label})", x=[x[k]], y=[total / BYTES_PER_GIB], mode="markers+text",
-        marker=dict(symbol="triangle-down", size=12, color="black"), text=[f"peak {fmt_bytes(total)}"],
-        textposition="top center", visible=visible, showlegend=False,
-        hovertext=[f"<b>peak {fmt_bytes(total)}</b> at {x[k]:.3f} ms ({label})<br>{breakdown}"], hoverinfo="text",
-    ), row))  # fmt: skip
+    out.append(
+        (
+            dict(
+                type="scatter",
+                name=f"peak ({label})",
+                x=[x[k]],
+                y=[total / BYTES_PER_GIB],
+                mode="markers+text",
+                marker=dict(symbol="triangle-down", size=12, color="black"),
+                text=[f"peak {fmt_bytes(total)}"],
+                textposition="top center",
+                visible=visible,
+                showlegend=False,
+                hovertext=[f"<b>peak {fmt_bytes(total)}</b> at {x[k]:.3f} ms ({label})<br>{breakdown}"],
+                hoverinfo="text",
+            ),
+            row,
+        )
+    )
     return out
 
 
@@ -235,11 +280,18 @@ def total_memory_trace(curve: MemoryCurve, end_s: float, label: str, row: int) -
     """The total memory of a rank as one dashed step line (for the comparison table)."""
     times, curves = curve_steps(curve, end_s)
     y = [sum(v) / BYTES_PER_GIB for v in zip(*curves.values(), strict=True)]
-    return (dict(
-        type="scatter", name=f"total ({label})", x=[t * MS_PER_S for t in times], y=y, mode="lines",
-        line=dict(shape="hv", dash="dash", color="black", width=1.5),
-        hovertemplate=f"total %{{y:.2f}} GiB at %{{x:.3f}} ms<extra>{label}</extra>",
-    ), row)  # fmt: skip
+    return (
+        dict(
+            type="scatter",
+            name=f"total ({label})",
+            x=[t * MS_PER_S for t in times],
+            y=y,
+            mode="lines",
+            line=dict(shape="hv", dash="dash", color="black", width=1.5),
+            hovertemplate=f"total %{{y:.2f}} GiB at %{{x:.3f}} ms<extra>{label}</extra>",
+        ),
+        row,
+    )
 
 
 def default_memory_rank(shown: Sequence[ShownRank], curves: dict[int, MemoryCurve]) -> int:
@@ -269,9 +321,13 @@ def lane_axis(lanes: Lanes, span: tuple[int, int] | None = None) -> dict[str, An
     """A lane y-axis: one tick per lane, top to bottom, showing ``span`` (default: all lanes)."""
     first, last = span if span is not None else (0, len(lanes.ticks) - 1)
     return dict(
-        tickvals=[t for t, _ in lanes.ticks], ticktext=[s for _, s in lanes.ticks], range=[last + 0.6, first - 0.6],
-        zeroline=False, showgrid=False, fixedrange=False,
-    )  # fmt: skip
+        tickvals=[t for t, _ in lanes.ticks],
+        ticktext=[s for _, s in lanes.ticks],
+        range=[last + 0.6, first - 0.6],
+        zeroline=False,
+        showgrid=False,
+        fixedrange=False,
+    )
 
 
 def timeline_figure(
@@ -294,9 +350,13 @@ def timeline_figure(
         f"{p.label}: step {step_time(p.table) * MS_PER_S:.2f} ms, {p.table.world_size} ranks" for p in panels
     ]
     fig = make_subplots(
-        rows=len(heights), cols=1, shared_xaxes=True, vertical_spacing=60 / sum(heights),
-        row_heights=[h / sum(heights) for h in heights], subplot_titles=[*titles, "memory (GiB), peak marked"],
-    )  # fmt: skip
+        rows=len(heights),
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=60 / sum(heights),
+        row_heights=[h / sum(heights) for h in heights],
+        subplot_titles=[*titles, "memory (GiB), peak marked"],
+    )
     traces: list[tuple[Any, int]] = []
     for i, panel in enumerate(panels):
         traces += bar_traces(
@@ -318,11 +378,20 @@ def timeline_figure(
         other = default_memory_rank(p.shown, p.memory)
         traces.append(total_memory_trace(p.memory[other], end_s, f"{p.label}, rank {other}", mem_row))
     if device_memory_bytes is not None:
-        traces.append((dict(
-            type="scatter", name=f"device memory {fmt_bytes(device_memory_bytes)}", x=[0, end_s * MS_PER_S],
-            y=[device_memory_bytes / BYTES_PER_GIB] * 2, mode="lines", line=dict(color="red", dash="dot", width=2),
-            hoverinfo="name",
-        ), mem_row))  # fmt: skip
+        traces.append(
+            (
+                dict(
+                    type="scatter",
+                    name=f"device memory {fmt_bytes(device_memory_bytes)}",
+                    x=[0, end_s * MS_PER_S],
+                    y=[device_memory_bytes / BYTES_PER_GIB] * 2,
+                    mode="lines",
+                    line=dict(color="red", dash="dot", width=2),
+                    hoverinfo="name",
+                ),
+                mem_row,
+            )
+        )
     for trace, row in traces:
         fig.add_trace(trace, row=row, col=1)
     for i, panel in enumerate(panels):
@@ -330,10 +399,14 @@ def timeline_figure(
     fig.update_yaxes(title_text="GiB", rangemode="tozero", row=mem_row, col=1)
     fig.update_xaxes(title_text="time (ms)", range=[0, end_s * MS_PER_S * 1.01], row=mem_row, col=1)
     fig.update_layout(
-        title=dict(text=title), height=sum(heights) + 160, hovermode="closest", hoverdistance=-1,
-        legend=dict(orientation="h", yanchor="top", y=-60 / sum(heights), x=0), margin=dict(l=260, r=30, t=90, b=150),
+        title=dict(text=title),
+        height=sum(heights) + 160,
+        hovermode="closest",
+        hoverdistance=-1,
+        legend=dict(orientation="h", yanchor="top", y=-60 / sum(heights), x=0),
+        margin=dict(l=260, r=30, t=90, b=150),
         template="plotly_white",
-    )  # fmt: skip
+    )
     if len(main.shown) > 1:
         fig.update_layout(updatemenus=[rank_selector(main, memory_of, chosen)])
     return fig

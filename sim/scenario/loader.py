@@ -170,7 +170,9 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
             raise UserError(f"{where}: unknown section [{name}]{_did_you_mean(name, list(SECTIONS))}")
     built = {name: _build_section(name, cls, data.get(name, {}), where) for name, cls in SECTIONS.items()}
     model = _resolve_model(built.pop("model"), where)
-    scenario = Scenario(source=where, model=model, gpus_per_node=_gpus_per_node(built["cluster"], where), **built)
+    scenario = Scenario(
+        source=where, model=model, gpus_per_node=_gpus_per_node(built["cluster"], where), **built
+    )
     _check(scenario, where)
     return scenario
 

@@ -39,7 +39,9 @@ class ParallelSection:
     wrap: WrapPolicy = WrapPolicy.BLOCK
     shard_group_size: int | None = None  # HYBRID_SHARD; default: cluster.gpus_per_node
     reshard_after_forward: bool | None = None  # None: True for FULL/HYBRID_SHARD, False for SHARD_GRAD_OP
-    forward_prefetch: int = 0  # units all-gathered ahead explicitly in forward (set_modules_to_forward_prefetch)
+    forward_prefetch: int = (
+        0  # units all-gathered ahead explicitly in forward (set_modules_to_forward_prefetch)
+    )
     backward_prefetch: int = 1  # units all-gathered ahead in backward; 1 is FSDP2's implicit default
     ddp_bucket_mb: float = 25.0  # NO_SHARD: DistributedDataParallel bucket_cap_mb
 

@@ -56,9 +56,18 @@ class ScheduleBuilder:
         deps = deps + tuple(self.compute_waits)
         self.compute_waits = []
         return self.program.emit(
-            stream=Stream.COMPUTE, kind=kind, name=name, unit=unit, microbatch=mb, duration_s=duration_s,
-            deps=deps, allocs=allocs, frees=frees, end_allocs=end_allocs, start_frees=start_frees,
-        )  # fmt: skip
+            stream=Stream.COMPUTE,
+            kind=kind,
+            name=name,
+            unit=unit,
+            microbatch=mb,
+            duration_s=duration_s,
+            deps=deps,
+            allocs=allocs,
+            frees=frees,
+            end_allocs=end_allocs,
+            start_frees=start_frees,
+        )
 
     def checkpointed(self, i: int) -> bool:
         return self.cfg.checkpointing and self.cfg.segments[i].block is not None
@@ -94,7 +103,10 @@ class ScheduleBuilder:
         else:
             acts.saved[i] = saved
         transient = self.label("forward_temp", seg.unit, mb)
-        allocs += [*extra_allocs, Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.forward_transient_bytes)]
+        allocs += [
+            *extra_allocs,
+            Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.forward_transient_bytes),
+        ]
         frees += [transient, *extra_frees]
         return self.compute(
             OpKind.FORWARD, seg.name, seg.unit, mb, fig.forward_s, allocs=tuple(allocs), frees=tuple(frees)
@@ -112,11 +124,17 @@ class ScheduleBuilder:
             transient = self.label("recompute_temp", seg.unit, mb)
             acts.saved[i] = saved
             self.compute(
-                OpKind.RECOMPUTE, seg.name, seg.unit, mb, fig.recompute_s,
-                allocs=(Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_bytes),
-                        Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.forward_transient_bytes)),
+                OpKind.RECOMPUTE,
+                seg.name,
+                seg.unit,
+                mb,
+                fig.recompute_s,
+                allocs=(
+                    Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_bytes),
+                    Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.forward_transient_bytes),
+                ),
                 frees=(transient,),
-            )  # fmt: skip
+            )
 
     def _on_recompute_segment(self, unit: str, mb: int) -> None:
         """Before a segment is recomputed (FSDP2 gathers its unit again)."""
@@ -140,10 +158,17 @@ class ScheduleBuilder:
         if seg.block is not None and seg.block in acts.block_inputs and self.first_of_block(i):
             frees.append(acts.block_inputs.pop(seg.block))
         return self.compute(
-            OpKind.BACKWARD, seg.name, seg.unit, mb, fig.backward_s,
-            allocs=(Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.backward_transient_bytes),),
-            frees=tuple(frees), end_allocs=end_allocs,
-        )  # fmt: skip
+            OpKind.BACKWARD,
+            seg.name,
+            seg.unit,
+            mb,
+            fig.backward_s,
+            allocs=(
+                Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.backward_transient_bytes),
+            ),
+            frees=tuple(frees),
+            end_allocs=end_allocs,
+        )
 
     def optimizer_step(self) -> None:
         """One step over the parameters this rank holds; ``zero_grad(set_to_none=True)`` after it.
@@ -153,7 +178,11 @@ class ScheduleBuilder:
         temp = "optimizer_temp"
         temp_bytes = numel * cfg.master_bytes if cfg.optimizer is OptimizerName.ADAMW else 0
         self.compute(
-            OpKind.OPTIMIZER, "optimizer step", ROOT, cfg.grad_accum - 1, cfg.costs.optimizer_s(numel),
+            OpKind.OPTIMIZER,
+            "optimizer step",
+            ROOT,
+            cfg.grad_accum - 1,
+            cfg.costs.optimizer_s(numel),
             allocs=(Alloc(label=temp, category=MemoryCategory.OTHER, bytes=temp_bytes),),
             frees=(temp, *self.grad_labels),
-        )  # fmt: skip
+        )

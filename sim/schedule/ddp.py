@@ -60,7 +60,11 @@ class DdpScheduleBuilder(ScheduleBuilder):
             reductions = self._backward(mb)
             # the reducer's finalize copies the buckets back into param.grad on the compute stream
             copy = self.compute(
-                OpKind.COPY, "ddp bucket copy-out", ROOT, index, cfg.costs.copy_s(numel * cfg.master_bytes),
+                OpKind.COPY,
+                "ddp bucket copy-out",
+                ROOT,
+                index,
+                cfg.costs.copy_s(numel * cfg.master_bytes),
                 deps=tuple(reductions),
             )
             self.compute_waits = [copy]
@@ -107,10 +111,18 @@ class DdpScheduleBuilder(ScheduleBuilder):
             nbytes = numel * cfg.reduce_bytes
             cost = cfg.collective("all_reduce", nbytes, GroupKind.REPLICATE, cfg.reduce_dtype)
             self.last_all_reduce = self.program.emit(
-                stream=Stream.ALL_REDUCE, kind=OpKind.ALL_REDUCE, name=f"all_reduce bucket {b}",
-                unit=cfg.segments[seg_index].unit, microbatch=mb, duration_s=cost.time_s, deps=deps,
-                group=GroupKind.REPLICATE, bytes=nbytes, algorithm=cost.algorithm, host_async=True,
-            )  # fmt: skip
+                stream=Stream.ALL_REDUCE,
+                kind=OpKind.ALL_REDUCE,
+                name=f"all_reduce bucket {b}",
+                unit=cfg.segments[seg_index].unit,
+                microbatch=mb,
+                duration_s=cost.time_s,
+                deps=deps,
+                group=GroupKind.REPLICATE,
+                bytes=nbytes,
+                algorithm=cost.algorithm,
+                host_async=True,
+            )
             ops.append(self.last_all_reduce)
         return ops
 

@@ -113,10 +113,19 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             frees = (*frees, temp)
         cost = self.cfg.collective(kind.value, nbytes, group, dtype)
         op = self.program.emit(
-            stream=stream, kind=kind, name=f"{kind.value} {unit}", unit=unit, microbatch=mb,
-            duration_s=cost.time_s + extra_s, deps=deps, allocs=allocs, frees=frees, group=group,
-            bytes=nbytes, algorithm=cost.algorithm,
-        )  # fmt: skip
+            stream=stream,
+            kind=kind,
+            name=f"{kind.value} {unit}",
+            unit=unit,
+            microbatch=mb,
+            duration_s=cost.time_s + extra_s,
+            deps=deps,
+            allocs=allocs,
+            frees=frees,
+            group=group,
+            bytes=nbytes,
+            algorithm=cost.algorithm,
+        )
         self.last_collective[group] = op
         return op
 
@@ -136,16 +145,25 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         frees = []
         if cfg.param_bytes != cfg.master_bytes:  # copy-in casts the shard to param_dtype first
             cast = self.label("all_gather_input", unit, mb.index)
-            allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=padded // self.w * cfg.param_bytes))
+            allocs.append(
+                Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=padded // self.w * cfg.param_bytes)
+            )
             frees.append(cast)
         # the copy-in (the shard into the send buffer, cast to param_dtype) runs just before the
         # collective on the all-gather stream: it is part of this op's time
         copy_in_s = cfg.costs.copy_s(padded // self.w * max(cfg.param_bytes, cfg.master_bytes))
         op = self._collective(
-            OpKind.ALL_GATHER, Stream.ALL_GATHER, unit, padded * cfg.param_bytes, GroupKind.SHARD,
-            cfg.param_dtype, deps=(mb.ag_wait,) if mb.ag_wait is not None else (), allocs=tuple(allocs),
-            frees=tuple(frees), extra_s=copy_in_s,
-        )  # fmt: skip
+            OpKind.ALL_GATHER,
+            Stream.ALL_GATHER,
+            unit,
+            padded * cfg.param_bytes,
+            GroupKind.SHARD,
+            cfg.param_dtype,
+            deps=(mb.ag_wait,) if mb.ag_wait is not None else (),
+            allocs=tuple(allocs),
+            frees=tuple(frees),
+            extra_s=copy_in_s,
+        )
         mb.pending[unit] = (op, out)
 
     def _wait_for_unshard(self, unit: str, *, forward: bool) -> None:
@@ -167,10 +185,15 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         host_s = self.cfg.costs.fsdp_forward_overhead_s if forward else 0.0
         name = f"all_gather copy-out {unit}" if ag_op is not None else f"unshard copy {unit}"
         copy_out = self.compute(
-            OpKind.COPY, name, unit, mb.index, self.cfg.costs.copy_s(nbytes) + host_s,
+            OpKind.COPY,
+            name,
+            unit,
+            mb.index,
+            self.cfg.costs.copy_s(nbytes) + host_s,
             deps=(ag_op,) if ag_op is not None else (),
-            allocs=(Alloc(label=params, category=Mem.PARAMS, bytes=nbytes),), frees=tuple(frees),
-        )  # fmt: skip
+            allocs=(Alloc(label=params, category=Mem.PARAMS, bytes=nbytes),),
+            frees=tuple(frees),
+        )
         if out is not None:
             if forward:
                 mb.deferred = (out, copy_out)
@@ -276,31 +299,58 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         mb.rs_states = []
         rs_input = self.label("reduce_scatter_input", unit, mb.index)
         # the copy-in, and FSDP2's per-unit host work in backward (pre-backward unshard, post-backward reduce)
-        copy_in_s = cfg.costs.copy_s(padded * max(cfg.param_bytes, cfg.reduce_bytes)) + cfg.costs.fsdp_backward_overhead_s
+        copy_in_s = (
+            cfg.costs.copy_s(padded * max(cfg.param_bytes, cfg.reduce_bytes))
+            + cfg.costs.fsdp_backward_overhead_s
+        )
         allocs, output_frees = self._reduce_outputs(unit, shard)
         copy_in = self.compute(
-            OpKind.COPY, f"reduce_scatter copy-in {unit}", unit, mb.index, copy_in_s,
-            deps=tuple(deps), start_frees=tuple(released),
+            OpKind.COPY,
+            f"reduce_scatter copy-in {unit}",
+            unit,
+            mb.index,
+            copy_in_s,
+            deps=tuple(deps),
+            start_frees=tuple(released),
             allocs=(Alloc(label=rs_input, category=Mem.COMM_BUFFERS, bytes=padded * cfg.reduce_bytes),),
             frees=tuple(frees),
-        )  # fmt: skip
+        )
         rs_frees = () if cfg.hybrid else output_frees
         if self.w == 1:  # no reduce-scatter: the input is copied into the output
             rs = self.compute(
-                OpKind.COPY, f"reduce copy {unit}", unit, mb.index, cfg.costs.copy_s(padded * cfg.reduce_bytes),
-                deps=(copy_in,), allocs=allocs, frees=rs_frees,
-            )  # fmt: skip
+                OpKind.COPY,
+                f"reduce copy {unit}",
+                unit,
+                mb.index,
+                cfg.costs.copy_s(padded * cfg.reduce_bytes),
+                deps=(copy_in,),
+                allocs=allocs,
+                frees=rs_frees,
+            )
         else:
             rs = self._collective(
-                OpKind.REDUCE_SCATTER, Stream.REDUCE_SCATTER, unit, padded * cfg.reduce_bytes, GroupKind.SHARD,
-                cfg.reduce_dtype, deps=(copy_in,), allocs=allocs, frees=rs_frees,
-            )  # fmt: skip
+                OpKind.REDUCE_SCATTER,
+                Stream.REDUCE_SCATTER,
+                unit,
+                padded * cfg.reduce_bytes,
+                GroupKind.SHARD,
+                cfg.reduce_dtype,
+                deps=(copy_in,),
+                allocs=allocs,
+                frees=rs_frees,
+            )
         last = rs
         if cfg.hybrid:
             last = self._collective(
-                OpKind.ALL_REDUCE, Stream.ALL_REDUCE, unit, shard * cfg.reduce_bytes, GroupKind.REPLICATE,
-                cfg.reduce_dtype, deps=(rs,), frees=output_frees,
-            )  # fmt: skip
+                OpKind.ALL_REDUCE,
+                Stream.ALL_REDUCE,
+                unit,
+                shard * cfg.reduce_bytes,
+                GroupKind.REPLICATE,
+                cfg.reduce_dtype,
+                deps=(rs,),
+                frees=output_frees,
+            )
         mb.rs_states.append((rs, rs_input))
         self.reductions.append(last)
 

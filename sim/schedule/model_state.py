@@ -44,7 +44,9 @@ def numel_per_rank(step: StepConfig) -> int:
 
 def model_state(step: StepConfig) -> ModelState:
     numel, b = numel_per_rank(step), step.master_bytes
-    return ModelState(params=numel * b, grads=numel * b, optimizer=OPTIMIZER_STATES[step.optimizer] * numel * b)
+    return ModelState(
+        params=numel * b, grads=numel * b, optimizer=OPTIMIZER_STATES[step.optimizer] * numel * b
+    )
 
 
 def ddp_bucket_bytes(step: StepConfig) -> int:

@@ -37,4 +37,8 @@ class OptimizerName(StrEnum):
 
 # Optimizer states per parameter element, each in fp32 (torch.optim defaults: AdamW keeps
 # exp_avg and exp_avg_sq, SGD with momentum its momentum buffer).
-OPTIMIZER_STATES: dict[OptimizerName, int] = {OptimizerName.ADAMW: 2, OptimizerName.SGD: 1, OptimizerName.NONE: 0}
+OPTIMIZER_STATES: dict[OptimizerName, int] = {
+    OptimizerName.ADAMW: 2,
+    OptimizerName.SGD: 1,
+    OptimizerName.NONE: 0,
+}

@@ -30,9 +30,18 @@ Base = dict[str, dict[str, Any]]
 """A scenario's tables as loaded from TOML (without ``[sweep]``), ``--set`` values applied."""
 
 RESULT_KEYS = (
-    "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_bytes",
-    "memory_headroom_bytes", "fits", "device_memory_bytes", "strategy", "wrap", "breakdown_s",
-)  # fmt: skip
+    "step_time_s",
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "mfu",
+    "peak_memory_bytes",
+    "memory_headroom_bytes",
+    "fits",
+    "device_memory_bytes",
+    "strategy",
+    "wrap",
+    "breakdown_s",
+)
 """Report keys a worker sends back for a valid point (``sim.outputs.report``'s names and units)."""
 
 GC_GEN0_THRESHOLD = 50_000  # workers allocate many short-lived, acyclic objects (SimPy events)

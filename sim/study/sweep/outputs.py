@@ -67,5 +67,3 @@ def write_outputs(rows: Sequence[dict[str, Any]], axes: Sequence[Axis], out_dir:
         return written
     write_sweep_plots(valid, html)
     return [*written, html]
-
-

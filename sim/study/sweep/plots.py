@@ -32,33 +32,72 @@ def sweep_figure(rows: Sequence[dict[str, Any]]) -> Any:
     from plotly.colors import qualitative
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.16, subplot_titles=(
-        "step time vs peak memory (Pareto front dashed)", "step-time breakdown per configuration"))  # fmt: skip
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        vertical_spacing=0.16,
+        subplot_titles=(
+            "step time vs peak memory (Pareto front dashed)",
+            "step-time breakdown per configuration",
+        ),
+    )
     strategies = sorted({str(r["strategy"]) for r in rows})
     wraps = sorted({str(r["wrap"]) for r in rows})
     for (strategy, wrap), group in _groups(rows).items():
-        fig.add_trace(dict(
-            type="scatter", mode="markers", name=f"{strategy} · {wrap}",
-            x=[r["peak_memory_bytes"] / BYTES_PER_GIB for r in group], y=[r["step_time_s"] * MS_PER_S for r in group],
-            marker=dict(size=11, color=qualitative.Plotly[strategies.index(strategy) % 10],
-                        symbol=WRAP_SYMBOLS[wraps.index(wrap) % len(WRAP_SYMBOLS)]),
-            text=[r["name"] for r in group], hovertemplate="%{text}<br>peak %{x:.2f} GiB · step %{y:.2f} ms<extra></extra>",
-        ), row=1, col=1)  # fmt: skip
+        fig.add_trace(
+            dict(
+                type="scatter",
+                mode="markers",
+                name=f"{strategy} · {wrap}",
+                x=[r["peak_memory_bytes"] / BYTES_PER_GIB for r in group],
+                y=[r["step_time_s"] * MS_PER_S for r in group],
+                marker=dict(
+                    size=11,
+                    color=qualitative.Plotly[strategies.index(strategy) % 10],
+                    symbol=WRAP_SYMBOLS[wraps.index(wrap) % len(WRAP_SYMBOLS)],
+                ),
+                text=[r["name"] for r in group],
+                hovertemplate="%{text}<br>peak %{x:.2f} GiB · step %{y:.2f} ms<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
     points = [(r["peak_memory_bytes"], r["step_time_s"]) for r in rows]
     front = [rows[i] for i in pareto_front(points)]
-    fig.add_trace(dict(
-        type="scatter", mode="lines", name="Pareto front", line=dict(color="black", dash="dash", shape="hv"),
-        x=[r["peak_memory_bytes"] / BYTES_PER_GIB for r in front], y=[r["step_time_s"] * MS_PER_S for r in front],
-        hoverinfo="skip",
-    ), row=1, col=1)  # fmt: skip
+    fig.add_trace(
+        dict(
+            type="scatter",
+            mode="lines",
+            name="Pareto front",
+            line=dict(color="black", dash="dash", shape="hv"),
+            x=[r["peak_memory_bytes"] / BYTES_PER_GIB for r in front],
+            y=[r["step_time_s"] * MS_PER_S for r in front],
+            hoverinfo="skip",
+        ),
+        row=1,
+        col=1,
+    )
     for device in sorted({r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")}):
-        fig.add_vline(x=device / BYTES_PER_GIB, line=dict(color="red", dash="dot"), row=1, col=1,
-                      annotation_text=f"device {fmt_bytes(device)}")  # fmt: skip
+        fig.add_vline(
+            x=device / BYTES_PER_GIB,
+            line=dict(color="red", dash="dot"),
+            row=1,
+            col=1,
+            annotation_text=f"device {fmt_bytes(device)}",
+        )
     for key, colour in SWEEP_BREAKDOWN:
-        fig.add_trace(dict(
-            type="bar", name=key, x=[r["name"] for r in rows], y=[r["breakdown_s"][key] * MS_PER_S for r in rows],
-            marker=dict(color=colour), hovertemplate=f"%{{x}}<br>{key} %{{y:.2f}} ms<extra></extra>",
-        ), row=2, col=1)  # fmt: skip
+        fig.add_trace(
+            dict(
+                type="bar",
+                name=key,
+                x=[r["name"] for r in rows],
+                y=[r["breakdown_s"][key] * MS_PER_S for r in rows],
+                marker=dict(color=colour),
+                hovertemplate=f"%{{x}}<br>{key} %{{y:.2f}} ms<extra></extra>",
+            ),
+            row=2,
+            col=1,
+        )
     fig.update_xaxes(title_text="peak memory (GiB)", row=1, col=1)
     fig.update_yaxes(title_text="step time (ms)", row=1, col=1)
     fig.update_yaxes(title_text="ms", row=2, col=1)

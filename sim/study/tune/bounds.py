@@ -25,7 +25,9 @@ def activations_at_forward_end_bytes(step: StepConfig) -> int:
     segs, figs = step.segments, step.figures
     if step.checkpointing:
         blocks = {s.block for s in segs if s.block is not None}
-        saved = len(blocks) * step.block_input_bytes + sum(f.saved_bytes for s, f in zip(segs, figs, strict=True) if s.block is None)
+        saved = len(blocks) * step.block_input_bytes + sum(
+            f.saved_bytes for s, f in zip(segs, figs, strict=True) if s.block is None
+        )
     else:
         saved = sum(f.saved_bytes for f in figs)
     return saved + figs[-1].forward_transient_bytes

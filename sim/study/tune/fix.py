@@ -58,9 +58,12 @@ def candidate_changes(base: Scenario) -> list[Change]:
     k = base.parallel.world_size
     for factor in RANK_FACTORS:
         changes.append(
-            Change(what=f"{factor}x the ranks ({k * factor})", cost=f"{factor}x the GPUs",
-                   overrides=(f"parallel.world_size={k * factor}",))
-        )  # fmt: skip
+            Change(
+                what=f"{factor}x the ranks ({k * factor})",
+                cost=f"{factor}x the GPUs",
+                overrides=(f"parallel.world_size={k * factor}",),
+            )
+        )
     if base.optimizer.name is OptimizerName.ADAMW:
         changes.append(
             Change(what="SGD with momentum", cost="training recipe", overrides=("optimizer.name=sgd",))
@@ -98,8 +101,14 @@ def evaluate_change(
     bounded = [bound(changed, profile, c, limit) for c in candidates(changed, g)]
     valid = [e for e in bounded if e.error is None]
     if not valid:
-        return ChangeResult(change=change, fits=False, global_batch=g, best=None, memory_bound_bytes=0,
-                            error=bounded[0].error if bounded else "no configuration")  # fmt: skip
+        return ChangeResult(
+            change=change,
+            fits=False,
+            global_batch=g,
+            best=None,
+            memory_bound_bytes=0,
+            error=bounded[0].error if bounded else "no configuration",
+        )
     smallest = min(e.memory_bound_bytes for e in valid)
     if smallest > limit:  # proven: nothing fits, no simulation needed
         return ChangeResult(change=change, fits=False, global_batch=g, best=None, memory_bound_bytes=smallest)

@@ -171,8 +171,18 @@ def format_table(o: TuneOutcome) -> str:
 def _entry(e: Evaluated, limit: float, first: Evaluated | None) -> dict[str, Any]:
     assert e.report is not None
     r = e.report.to_json()
-    keys = ("step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "breakdown_s",
-            "peak_memory_bytes", "memory_at_peak_bytes", "model_state_bytes", "collectives")  # fmt: skip
+    keys = (
+        "step_time_s",
+        "tokens_per_s",
+        "tokens_per_s_per_gpu",
+        "mfu",
+        "hfu",
+        "breakdown_s",
+        "peak_memory_bytes",
+        "memory_at_peak_bytes",
+        "model_state_bytes",
+        "collectives",
+    )
     return {
         "config": e.candidate.as_dict(),
         "overrides": list(e.candidate.overrides()),

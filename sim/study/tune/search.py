@@ -90,9 +90,12 @@ def run_candidate(base: Scenario, profile: HardwareProfile, e: Evaluated) -> Eva
     """Simulate ``e``'s candidate; its report is the same as ``fsdpsim run`` with its overrides."""
     report = build_report(simulate(apply(base, e.candidate), profile))
     return Evaluated(
-        candidate=e.candidate, status=Status.SIMULATED, memory_bound_bytes=e.memory_bound_bytes,
-        time_bound_s=e.time_bound_s, report=report,
-    )  # fmt: skip
+        candidate=e.candidate,
+        status=Status.SIMULATED,
+        memory_bound_bytes=e.memory_bound_bytes,
+        time_bound_s=e.time_bound_s,
+        report=report,
+    )
 
 
 def same_but_prefetch(a: Evaluated, b: Evaluated) -> bool:
@@ -129,9 +132,11 @@ def search(
     for e in sorted(todo, key=lambda e: (e.time_bound_s, e.candidate)):
         if time_pruning and len(best) >= top and e.time_bound_s > best[top - 1].step_time_s:
             done[e.candidate] = Evaluated(
-                candidate=e.candidate, status=Status.PRUNED_TIME,
-                memory_bound_bytes=e.memory_bound_bytes, time_bound_s=e.time_bound_s,
-            )  # fmt: skip
+                candidate=e.candidate,
+                status=Status.PRUNED_TIME,
+                memory_bound_bytes=e.memory_bound_bytes,
+                time_bound_s=e.time_bound_s,
+            )
             continue
         result = run_candidate(base, profile, e)
         done[e.candidate] = result

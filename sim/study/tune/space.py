@@ -121,10 +121,15 @@ def _generate(scenario: Scenario, per_rank: int) -> Iterator[Candidate]:
                     for fwd in (0,) if single else FORWARD_PREFETCH:
                         for bwd in (1,) if single else BACKWARD_PREFETCH:
                             yield Candidate(
-                                strategy=strategy, wrap=wrap, micro_batch=mb, grad_accum=per_rank // mb,
-                                checkpointing=ckpt, forward_prefetch=fwd, backward_prefetch=bwd,
+                                strategy=strategy,
+                                wrap=wrap,
+                                micro_batch=mb,
+                                grad_accum=per_rank // mb,
+                                checkpointing=ckpt,
+                                forward_prefetch=fwd,
+                                backward_prefetch=bwd,
                                 shard_group_size=group,
-                            )  # fmt: skip
+                            )
 
 
 def apply(scenario: Scenario, c: Candidate) -> Scenario:
@@ -149,7 +154,12 @@ def as_candidate(scenario: Scenario) -> Candidate:
     p, t = scenario.parallel, scenario.training
     hybrid = p.strategy is Strategy.HYBRID_SHARD
     return Candidate(
-        strategy=p.strategy, wrap=p.wrap, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
-        checkpointing=scenario.checkpointing.mode, forward_prefetch=p.forward_prefetch,
-        backward_prefetch=p.backward_prefetch, shard_group_size=scenario.shard_group_size if hybrid else None,
-    )  # fmt: skip
+        strategy=p.strategy,
+        wrap=p.wrap,
+        micro_batch=t.micro_batch,
+        grad_accum=t.grad_accum,
+        checkpointing=scenario.checkpointing.mode,
+        forward_prefetch=p.forward_prefetch,
+        backward_prefetch=p.backward_prefetch,
+        shard_group_size=scenario.shard_group_size if hybrid else None,
+    )

@@ -65,8 +65,14 @@ def closest_config(
     return min(simulated, key=lambda e: (e.peak_bytes, e.candidate)) if simulated else None
 
 
-def tune(path: str, user_sets: Sequence[str] = (), *, margin: float = 0.1, top: int = 5,
-         global_sequences: int | None = None) -> TuneOutcome:  # fmt: skip
+def tune(
+    path: str,
+    user_sets: Sequence[str] = (),
+    *,
+    margin: float = 0.1,
+    top: int = 5,
+    global_sequences: int | None = None,
+) -> TuneOutcome:
     """Search the scenario at ``path`` (with ``--set`` overrides); the whole answer, deterministic."""
     check_settings(margin, top)
     scenario = load_scenario(path, user_sets)
@@ -75,9 +81,16 @@ def tune(path: str, user_sets: Sequence[str] = (), *, margin: float = 0.1, top: 
     limit = profile.device.memory_bytes * (1.0 - margin)
     result = search(scenario, profile, g, limit, top)
     outcome = TuneOutcome(
-        path=str(path), user_sets=tuple(user_sets), scenario=scenario, profile=profile, global_batch=g,
-        margin=margin, limit_bytes=limit, result=result, baseline=simulate_baseline(scenario, profile, limit),
-    )  # fmt: skip
+        path=str(path),
+        user_sets=tuple(user_sets),
+        scenario=scenario,
+        profile=profile,
+        global_batch=g,
+        margin=margin,
+        limit_bytes=limit,
+        result=result,
+        baseline=simulate_baseline(scenario, profile, limit),
+    )
     if result.top:
         return outcome
     return replace(
