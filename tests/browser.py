@@ -108,9 +108,12 @@ class DevTools:
             os.dup2(write_end, 4)
 
         self.proc = subprocess.Popen(
-            args, preexec_fn=wire_fds, pass_fds=(3, 4), stdout=subprocess.DEVNULL,
+            args,
+            preexec_fn=wire_fds,
+            pass_fds=(3, 4),
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         os.close(to_child_r)
         os.close(from_child_w)
         self._buffer = b""
@@ -167,9 +170,14 @@ class DevTools:
         self.events.clear()
         self.send("Page.navigate", {"url": html.resolve().as_uri()}, session=session)
         done = self.send(
-            "Runtime.evaluate", {"expression": WAIT_FOR_PLOT_JS.replace("TIMEOUT_MS", str(int(timeout_s * 1000))), "awaitPromise": True, "returnByValue": True},
+            "Runtime.evaluate",
+            {
+                "expression": WAIT_FOR_PLOT_JS.replace("TIMEOUT_MS", str(int(timeout_s * 1000))),
+                "awaitPromise": True,
+                "returnByValue": True,
+            },
             session=session,
-        )  # fmt: skip
+        )
         report = PageReport(render_ms=float(done["result"]["value"]))
         facts = self.send(
             "Runtime.evaluate", {"expression": PAGE_FACTS_JS, "returnByValue": True}, session=session
@@ -297,17 +305,42 @@ class _Builder:
         self.memory: list[MemoryRecord] = []
         self.last_compute_start = np.zeros(len(ranks))
         for r in ranks:
-            self.memory.append(MemoryRecord(rank=r, time_s=0.0, category=MemoryCategory.PARAMS,
-                                            delta_bytes=self.PARAM_BYTES // 8, label="shards"))  # fmt: skip
-            self.memory.append(MemoryRecord(rank=r, time_s=0.0, category=MemoryCategory.OPTIMIZER,
-                                            delta_bytes=self.PARAM_BYTES // 4, label="adam"))  # fmt: skip
+            self.memory.append(
+                MemoryRecord(
+                    rank=r,
+                    time_s=0.0,
+                    category=MemoryCategory.PARAMS,
+                    delta_bytes=self.PARAM_BYTES // 8,
+                    label="shards",
+                )
+            )
+            self.memory.append(
+                MemoryRecord(
+                    rank=r,
+                    time_s=0.0,
+                    category=MemoryCategory.OPTIMIZER,
+                    delta_bytes=self.PARAM_BYTES // 4,
+                    label="adam",
+                )
+            )
 
     def emit(self, stream, kind, name, unit, ready, start, end, nbytes=0) -> None:
         group = len(self.ranks) if kind.is_collective else 1
         for i, r in enumerate(self.ranks):
-            op = OpRecord(rank=r, op_id=len(self.ops), stream=stream, kind=kind, name=name, unit=unit,
-                          microbatch=0, ready_s=float(ready[i]), start_s=float(start[i]), end_s=float(end[i]),
-                          bytes=nbytes, group_size=group)  # fmt: skip
+            op = OpRecord(
+                rank=r,
+                op_id=len(self.ops),
+                stream=stream,
+                kind=kind,
+                name=name,
+                unit=unit,
+                microbatch=0,
+                ready_s=float(ready[i]),
+                start_s=float(start[i]),
+                end_s=float(end[i]),
+                bytes=nbytes,
+                group_size=group,
+            )
             self.ops.append(op)
 
     def collective(
@@ -347,5 +380,8 @@ class _Builder:
 
     def _mem(self, times: np.ndarray, category: MemoryCategory, delta: int, label: str) -> None:
         for i, r in enumerate(self.ranks):
-            self.memory.append(MemoryRecord(rank=r, time_s=float(times[i]), category=category,
-                                            delta_bytes=delta, label=label))  # fmt: skip
+            self.memory.append(
+                MemoryRecord(
+                    rank=r, time_s=float(times[i]), category=category, delta_bytes=delta, label=label
+                )
+            )

@@ -62,9 +62,14 @@ def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, fact
     )
     ops = layer_ops(scenario.model, workload)
     costs = build_compute_costs(
-        profile, ops, model=scenario.model, micro_batch=t.micro_batch, seq_len=t.seq_len,
-        param_dtype=scenario.param_dtype, optimizer="adamw",
-    )  # fmt: skip
+        profile,
+        ops,
+        model=scenario.model,
+        micro_batch=t.micro_batch,
+        seq_len=t.seq_len,
+        param_dtype=scenario.param_dtype,
+        optimizer="adamw",
+    )
     units = {}
     for group in CalibrationGroup:
         members = [op for op in ops if op.group is group and op.block in (None, 0)]
@@ -82,7 +87,7 @@ def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, fact
         "model": {
             f: getattr(m, f)
             for f in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn_hidden", "vocab", "tie_embeddings")
-        },  # fmt: skip
+        },
         "micro_batch": t.micro_batch,
         "seq_len": t.seq_len,
         "param_dtype": scenario.param_dtype,

@@ -51,7 +51,11 @@ def test_sim_imports_run_down_the_layers() -> None:
 
 def test_every_sim_module_has_a_layer() -> None:
     """A new module must be placed in a layer (a bare ``sim.x`` would escape the rule)."""
-    loose = [m for m in project_modules(ROOT, ["sim"]) if layer_of(m, LAYERS) == 0 and m not in ("sim", "sim.errors")]
+    loose = [
+        m
+        for m in project_modules(ROOT, ["sim"])
+        if layer_of(m, LAYERS) == 0 and m not in ("sim", "sim.errors")
+    ]
     assert loose == []
 
 
@@ -130,5 +134,7 @@ def test_functions_stay_small(package: str) -> None:
 
 def test_the_length_check_sees_a_long_function(tmp_path: Path) -> None:
     body = "\n".join(f"    x{i} = {i}" for i in range(60))
-    _write_package(tmp_path, {"pkg/long.py": f"def long():\n{body}\n", "pkg/short.py": "def short():\n    pass\n"})
+    _write_package(
+        tmp_path, {"pkg/long.py": f"def long():\n{body}\n", "pkg/short.py": "def short():\n    pass\n"}
+    )
     assert sorted(function_lengths(tmp_path / "pkg")) == [2, 61]

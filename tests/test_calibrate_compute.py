@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from calibrate.compute import ComputeTarget
-from sim.costs.compute import check_compute_matches
-from sim.hardware.compute_section import parse_compute_section
 from calibrate.memtrack import SavedTensorBytes, peak_above_start
-from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.cli.main import main as fsdpsim_main
+from sim.costs.compute import check_compute_matches
 from sim.errors import UserError
-from sim.workload.model import PRESETS
+from sim.hardware.builtin import BUILTIN_PROFILES
+from sim.hardware.compute_section import parse_compute_section
 from sim.hardware.registry import load_profile
 from sim.scenario.loader import load_scenario
+from sim.workload.model import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "scenarios" / "tiny.toml"
@@ -75,8 +75,9 @@ def test_tiny_end_to_end_adds_a_compute_section(calibrated: Path) -> None:
     for phase in ("forward", "backward"):
         assert overhead[f"{phase}_s"] == max(0.0, overhead[f"{phase}_raw_s"])
     # the units' times come from whole models; the isolated ones are kept beside them
-    assert set(src["units_alone"]) == {f"{u}.{f}" for u in ("embed", "block", "head")
-                                       for f in ("forward_s", "backward_s", "recompute_s")}  # fmt: skip
+    assert set(src["units_alone"]) == {
+        f"{u}.{f}" for u in ("embed", "block", "head") for f in ("forward_s", "backward_s", "recompute_s")
+    }
     ratio = src["in_model_over_alone"]
     for phase in ("forward_s", "backward_s"):
         assert getattr(c.units["block"], phase) == pytest.approx(
@@ -225,8 +226,14 @@ def test_gpu_compute_of_the_tiny_preset(tmp_path: Path) -> None:
 def _unit(forward: float, backward: float, recompute: float = 0.0) -> Any:
     from sim.hardware.compute_section import UnitMeasurement
 
-    return UnitMeasurement(forward_s=forward, backward_s=backward, recompute_s=recompute, saved_activation_bytes=7,
-                       forward_transient_bytes=5, backward_transient_bytes=3)  # fmt: skip
+    return UnitMeasurement(
+        forward_s=forward,
+        backward_s=backward,
+        recompute_s=recompute,
+        saved_activation_bytes=7,
+        forward_transient_bytes=5,
+        backward_transient_bytes=3,
+    )
 
 
 def test_in_model_times_are_the_depth_difference_and_the_rest_split_as_measured_alone() -> None:

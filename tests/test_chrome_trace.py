@@ -10,10 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.outputs.chrome_trace import STREAM_IDS, write_chrome_trace, write_chrome_trace_per_rank
 from sim.core.events import EventTable, MemoryCategory, OpKind, OpRecord, Stream
+from sim.outputs.chrome_trace import STREAM_IDS, write_chrome_trace, write_chrome_trace_per_rank
+from sim.outputs.intervals import (
+    Breakdown,
+    difference,
+    merge,
+    rank_breakdown,
+    step_time,
+    subtract_length,
+    union_length,
+)
 from sim.outputs.report import build_report
-from sim.outputs.intervals import Breakdown, difference, merge, rank_breakdown, step_time, subtract_length, union_length
 
 try:
     from browser import synthetic_table
@@ -49,8 +57,18 @@ def test_measures_match_counting_unit_cells(a, b):
 
 
 def _op(op_id, stream, kind, start, end):
-    return OpRecord(rank=0, op_id=op_id, stream=stream, kind=kind, name=f"{kind}{op_id}", unit="u",
-                    microbatch=0, ready_s=start, start_s=start, end_s=end)  # fmt: skip
+    return OpRecord(
+        rank=0,
+        op_id=op_id,
+        stream=stream,
+        kind=kind,
+        name=f"{kind}{op_id}",
+        unit="u",
+        microbatch=0,
+        ready_s=start,
+        start_s=start,
+        end_s=end,
+    )
 
 
 def test_rank_breakdown_by_hand():

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from sim.fileio import write_text_atomic
-from sim.workload.model import n_params
 from sim.scenario.loader import load_scenario
+from sim.workload.model import n_params
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.toml"))
@@ -18,10 +18,23 @@ TINY = ROOT / "scenarios" / "tiny.toml"
 DEFAULT = ROOT / "scenarios" / "llama2-7b-8xh100-zero3.toml"
 
 REQUIRED_KEYS = {
-    "n_params", "world_size", "strategy", "wrap", "n_units", "step_time_s", "tokens_per_s",
-    "tokens_per_s_per_gpu", "mfu", "breakdown_s", "peak_memory_bytes", "memory_at_peak_bytes",
-    "model_state_bytes", "device_memory_bytes", "fits", "per_rank",
-}  # fmt: skip
+    "n_params",
+    "world_size",
+    "strategy",
+    "wrap",
+    "n_units",
+    "step_time_s",
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "mfu",
+    "breakdown_s",
+    "peak_memory_bytes",
+    "memory_at_peak_bytes",
+    "model_state_bytes",
+    "device_memory_bytes",
+    "fits",
+    "per_rank",
+}
 MEMORY_CATEGORIES = {"params", "grads", "optimizer", "activations", "comm_buffers", "other"}
 
 
@@ -29,8 +42,12 @@ def fsdpsim(*args: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "sim.cli.main", *map(str, args)],
-        capture_output=True, text=True, cwd=cwd, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+    )
 
 
 def run_json(*args: str | Path) -> dict:
@@ -149,12 +166,24 @@ def scenario_dir(tmp_path: Path) -> Path:
         ((TINY, "--set", "parallel.world_size"), ("--set 'parallel.world_size'", "section.key=value")),
         ((TINY, "--set", "paralel.world_size=2"), ("unknown section 'paralel'", "did you mean 'parallel'")),
         ((TINY, "--set", "parallel.world_size=two"), ("parallel.world_size must be an integer", "'two'")),
-        ((TINY, "--set", "parallel.strategy=ZERO3"), ("parallel.strategy", "allowed: NO_SHARD, SHARD_GRAD_OP")),
+        (
+            (TINY, "--set", "parallel.strategy=ZERO3"),
+            ("parallel.strategy", "allowed: NO_SHARD, SHARD_GRAD_OP"),
+        ),
         ((TINY, "--set", "cluster.profile=nope/profile.json"), ("cluster.profile", "'nope/profile.json'")),
     ],
-    ids=["unknown-key", "wrong-type", "not-divisible", "missing-file", "set-syntax", "set-section",
-         "set-type", "set-enum", "bad-profile-path"],
-)  # fmt: skip
+    ids=[
+        "unknown-key",
+        "wrong-type",
+        "not-divisible",
+        "missing-file",
+        "set-syntax",
+        "set-section",
+        "set-type",
+        "set-enum",
+        "bad-profile-path",
+    ],
+)
 def test_user_mistakes_exit_2_with_one_line(
     scenario_dir: Path, args: tuple, fragments: tuple[str, ...]
 ) -> None:

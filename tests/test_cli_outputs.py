@@ -10,8 +10,13 @@ TINY = str(ROOT / "scenarios" / "tiny.toml")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sim.cli.main", "run", TINY, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "sim.cli.main", "run", TINY, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_compare_set_stacks_a_second_run_on_the_timeline(tmp_path: Path) -> None:

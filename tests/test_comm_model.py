@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sim.core.topology import GroupShape
 from sim.costs.collectives import alpha_beta_time_s, bus_factor, collective_time_s, wire_bytes_per_rank
 from sim.hardware.registry import load_profile
 from sim.hardware.schema import CollectiveCurve, HardwareProfile, LinkModel
-from sim.core.topology import GroupShape
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 MiB = 1 << 20

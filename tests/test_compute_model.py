@@ -13,7 +13,9 @@ from sim.simulate import simulate
 
 
 def _with_compute(profile, section):
-    return dataclasses.replace(profile, compute=parse_compute_section(section, "test-profile"), calibrated=True)
+    return dataclasses.replace(
+        profile, compute=parse_compute_section(section, "test-profile"), calibrated=True
+    )
 
 
 def _durations(result, kind):
@@ -34,8 +36,10 @@ def test_calibrated_times_and_bytes_replace_the_analytic_ones():
         )
     # RoPE tables are not part of any measured unit: they keep their analytic size
     rope = 2 * 64 * 16 * 4
-    assert build_report(calibrated).to_json()["memory_at_peak_bytes"]["activations"] == pytest.approx(
-        3 * (build_report(analytic).to_json()["memory_at_peak_bytes"]["activations"] - rope) + rope, rel=1e-6
+    calibrated_at_peak = build_report(calibrated).to_json()["memory_at_peak_bytes"]
+    analytic_at_peak = build_report(analytic).to_json()["memory_at_peak_bytes"]
+    assert calibrated_at_peak["activations"] == pytest.approx(
+        3 * (analytic_at_peak["activations"] - rope) + rope, rel=1e-6
     )
 
 
@@ -51,8 +55,9 @@ def test_scaling_carries_the_measured_to_analytic_ratio_to_new_dimensions():
     measured_at = make_scenario(model={"preset": "tiny"})
     profile = make_profile()
     calibrated = _with_compute(profile, synthetic_compute_section(measured_at, profile, 2.0))
-    target = make_scenario(model={"preset": "tiny", "n_layers": 4}, training={"seq_len": 128},
-                           cluster={"compute_scaling": True})  # fmt: skip
+    target = make_scenario(
+        model={"preset": "tiny", "n_layers": 4}, training={"seq_len": 128}, cluster={"compute_scaling": True}
+    )
     scaled = simulate(target, calibrated)
     analytic = simulate(target, profile)
     assert _durations(scaled, OpKind.BACKWARD) == pytest.approx(

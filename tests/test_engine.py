@@ -21,10 +21,26 @@ def _program() -> Program:
         duration_s=10.0,
         allocs=(Alloc(label="act", category=MemoryCategory.ACTIVATIONS, bytes=8),),
     )
-    p.emit(stream=Stream.ALL_GATHER, kind=OpKind.ALL_GATHER, name="ag", unit="u", microbatch=0,
-           duration_s=4.0, group=GroupKind.SHARD, bytes=100)  # fmt: skip
-    p.emit(stream=Stream.COMPUTE, kind=OpKind.BACKWARD, name="b", unit="u", microbatch=0, duration_s=1.0,
-           deps=(1,), frees=("act",))  # fmt: skip
+    p.emit(
+        stream=Stream.ALL_GATHER,
+        kind=OpKind.ALL_GATHER,
+        name="ag",
+        unit="u",
+        microbatch=0,
+        duration_s=4.0,
+        group=GroupKind.SHARD,
+        bytes=100,
+    )
+    p.emit(
+        stream=Stream.COMPUTE,
+        kind=OpKind.BACKWARD,
+        name="b",
+        unit="u",
+        microbatch=0,
+        duration_s=1.0,
+        deps=(1,),
+        frees=("act",),
+    )
     return p
 
 
@@ -56,8 +72,17 @@ def test_collective_waits_for_the_slowest_rank():
     slow = Variability(slow_rank=1, slow_rank_factor=2.0)
     p = Program()
     p.emit(stream=Stream.COMPUTE, kind=OpKind.FORWARD, name="f", unit="u", microbatch=0, duration_s=3.0)
-    p.emit(stream=Stream.ALL_GATHER, kind=OpKind.ALL_GATHER, name="ag", unit="u", microbatch=0, duration_s=1.0,
-           deps=(0,), group=GroupKind.SHARD, bytes=1)  # fmt: skip
+    p.emit(
+        stream=Stream.ALL_GATHER,
+        kind=OpKind.ALL_GATHER,
+        name="ag",
+        unit="u",
+        microbatch=0,
+        duration_s=1.0,
+        deps=(0,),
+        group=GroupKind.SHARD,
+        bytes=1,
+    )
     table = run_program(p, TWO_RANKS, slow, serial=False)
     for rank in (0, 1):
         ag = next(o for o in table.ops_of(rank) if o.name == "ag")
@@ -76,8 +101,15 @@ def test_ledger_records_allocs_at_start_and_frees_at_end():
 
 def test_freeing_an_unknown_buffer_is_a_bug_not_a_silent_no_op():
     p = Program()
-    p.emit(stream=Stream.COMPUTE, kind=OpKind.FORWARD, name="f", unit="u", microbatch=0, duration_s=1.0,
-           frees=("never-allocated",))  # fmt: skip
+    p.emit(
+        stream=Stream.COMPUTE,
+        kind=OpKind.FORWARD,
+        name="f",
+        unit="u",
+        microbatch=0,
+        duration_s=1.0,
+        frees=("never-allocated",),
+    )
     with pytest.raises(RuntimeError, match="never-allocated"):
         run_program(p, TWO_RANKS, Variability(), serial=False)
 
@@ -98,7 +130,9 @@ def test_an_op_the_host_issues_asynchronously_overlaps_even_on_a_serial_backend(
         bytes=1,
         host_async=True,
     )
-    p.emit(stream=Stream.COMPUTE, kind=OpKind.COPY, name="c", unit="u", microbatch=0, duration_s=1.0, deps=(1,))
+    p.emit(
+        stream=Stream.COMPUTE, kind=OpKind.COPY, name="c", unit="u", microbatch=0, duration_s=1.0, deps=(1,)
+    )
     t = _times(run_program(p, TWO_RANKS, Variability(), serial=True))
     assert t == {"b": (0.0, 10.0), "ar": (0.0, 4.0), "c": (10.0, 11.0)}
 
@@ -116,9 +150,16 @@ def test_start_frees_release_before_the_op_allocates():
         duration_s=1.0,
         allocs=(Alloc(label="old", category=MemoryCategory.COMM_BUFFERS, bytes=100),),
     )
-    p.emit(stream=Stream.COMPUTE, kind=OpKind.COPY, name="b", unit="u", microbatch=0, duration_s=1.0,
-           start_frees=("old",),
-           allocs=(Alloc(label="new", category=MemoryCategory.COMM_BUFFERS, bytes=100),))  # fmt: skip
+    p.emit(
+        stream=Stream.COMPUTE,
+        kind=OpKind.COPY,
+        name="b",
+        unit="u",
+        microbatch=0,
+        duration_s=1.0,
+        start_frees=("old",),
+        allocs=(Alloc(label="new", category=MemoryCategory.COMM_BUFFERS, bytes=100),),
+    )
     table = run_program(p, TWO_RANKS, Variability(), serial=False)
     live = peak = 0
     for m in table.memory_of(0):
@@ -126,8 +167,10 @@ def test_start_frees_release_before_the_op_allocates():
         peak = max(peak, live)
     assert peak == 100
     assert [(m.time_s, m.delta_bytes, m.label) for m in table.memory_of(0)] == [
-        (0.0, 100, "old"), (1.0, -100, "old"), (1.0, 100, "new")
-    ]  # fmt: skip
+        (0.0, 100, "old"),
+        (1.0, -100, "old"),
+        (1.0, 100, "new"),
+    ]
 
 
 def test_schedule_never_holds_two_reduce_scatter_inputs_of_consecutive_units():

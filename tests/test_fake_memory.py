@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from sim.errors import UserError
-from sim.workload.model import param_specs
 from sim.scenario.loader import load_scenario
+from sim.workload.model import param_specs
 from validation.fake_memory import (
     CATEGORIES,
     measure_fake_memory,

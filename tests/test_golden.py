@@ -62,7 +62,9 @@ def test_report_matches_golden(
         # idle: the old value where it was positive, zero (not a rounding residue below it) elsewhere
         assert breakdown["idle"] >= 0.0
         assert math.isclose(
-            breakdown["idle"], max(0.0, step - breakdown["compute"] - breakdown["exposed_comm"]), abs_tol=1e-12
+            breakdown["idle"],
+            max(0.0, step - breakdown["compute"] - breakdown["exposed_comm"]),
+            abs_tol=1e-12,
         )
     for (old_b, _), (new_b, _) in zip(_idle_rows(old), _idle_rows(new), strict=True):
         assert math.isclose(new_b["idle"], max(0.0, old_b["idle"]), rel_tol=REL, abs_tol=1e-12)
@@ -79,15 +81,33 @@ def test_event_table_matches_golden(
     old = json.loads((GOLDEN / f"{name}.events.json").read_text())
     table = simulate(load_scenario(scenario, sets)).events
     ops = [
-        [o.rank, o.op_id, str(o.stream), str(o.kind), o.name, o.unit, o.microbatch, o.ready_s, o.start_s, o.end_s,
-         o.bytes, o.group_size]
+        [
+            o.rank,
+            o.op_id,
+            str(o.stream),
+            str(o.kind),
+            o.name,
+            o.unit,
+            o.microbatch,
+            o.ready_s,
+            o.start_s,
+            o.end_s,
+            o.bytes,
+            o.group_size,
+        ]
         for o in table.ops
-    ]  # fmt: skip
+    ]
     assert len(ops) == len(old["ops"])
     for new_op, old_op in zip(ops, old["ops"], strict=True):
         assert new_op[:7] == old_op[:7] and new_op[10:] == old_op[10:], (new_op, old_op)
-        assert all(math.isclose(a, b, rel_tol=REL, abs_tol=1e-15) for a, b in zip(new_op[7:10], old_op[7:10]))
+        assert all(
+            math.isclose(a, b, rel_tol=REL, abs_tol=1e-15)
+            for a, b in zip(new_op[7:10], old_op[7:10], strict=True)
+        )
     # labels may be renamed; what is allocated, where, when and how much may not
     memory = [[m.rank, m.time_s, str(m.category), m.delta_bytes] for m in table.memory]
     assert [m[0:1] + m[2:] for m in memory] == [m[0:1] + m[2:4] for m in old["memory"]]
-    assert all(math.isclose(a[1], b[1], rel_tol=REL, abs_tol=1e-15) for a, b in zip(memory, old["memory"]))
+    assert all(
+        math.isclose(a[1], b[1], rel_tol=REL, abs_tol=1e-15)
+        for a, b in zip(memory, old["memory"], strict=True)
+    )

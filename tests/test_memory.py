@@ -5,9 +5,9 @@ from simtest import make_scenario
 
 from sim.core.events import MemoryCategory
 from sim.outputs.memory_curve import memory_curve
-from sim.workload.model import PRESETS, n_params
 from sim.outputs.report import build_report
 from sim.simulate import simulate
+from sim.workload.model import PRESETS, n_params
 from sim.workload.units import padded_numel
 
 PHI_7B = 6_738_415_616
@@ -34,27 +34,34 @@ def test_full_shard_holds_16_bytes_per_param_over_k(k):
     assert _persistent(r, "param:") == 4 * PHI_7B // k
     assert _persistent(r, "optim:") == 8 * PHI_7B // k
     assert _persistent(r, "sharded_grads") == 4 * PHI_7B // k
-    assert build_report(r).to_json()["model_state_bytes"] == 16 * PHI_7B // k
-    assert build_report(r).to_json()["model_state_bytes_deepspeed_convention"] == 16 * PHI_7B // k
+    report = build_report(r).to_json()
+    assert report["model_state_bytes"] == 16 * PHI_7B // k
+    assert report["model_state_bytes_deepspeed_convention"] == 16 * PHI_7B // k
 
 
 def test_shard_grad_op_keeps_unsharded_bf16_params_through_backward():
     k = 4
     r = simulate(
-        make_scenario(model=BIG, training=SHORT, parallel={"world_size": k, "strategy": "SHARD_GRAD_OP"},
-                      precision={"param_dtype": "bf16"})
-    )  # fmt: skip
-    assert build_report(r).to_json()["model_state_bytes"] == 16 * PHI_7B // k
-    assert build_report(r).to_json()["model_state_bytes_deepspeed_convention"] == 2 * PHI_7B + 14 * PHI_7B // k
-    at_peak = build_report(r).to_json()["memory_at_peak_bytes"]
+        make_scenario(
+            model=BIG,
+            training=SHORT,
+            parallel={"world_size": k, "strategy": "SHARD_GRAD_OP"},
+            precision={"param_dtype": "bf16"},
+        )
+    )
+    report = build_report(r).to_json()
+    assert report["model_state_bytes"] == 16 * PHI_7B // k
+    assert report["model_state_bytes_deepspeed_convention"] == 2 * PHI_7B + 14 * PHI_7B // k
+    at_peak = report["memory_at_peak_bytes"]
     # every unit's unsharded bf16 parameters are alive together in backward
     assert at_peak["params"] >= 2 * PHI_7B + 4 * PHI_7B // k - 2 * 131_072_000 * 2
 
 
 def test_ddp_holds_full_state_and_bucket_copy():
     r = simulate(make_scenario(model=BIG, training=SHORT, parallel={"world_size": 8, "strategy": "NO_SHARD"}))
-    assert build_report(r).to_json()["model_state_bytes"] == 16 * PHI_7B
-    assert build_report(r).to_json()["model_state_bytes_deepspeed_convention"] == 16 * PHI_7B
+    report = build_report(r).to_json()
+    assert report["model_state_bytes"] == 16 * PHI_7B
+    assert report["model_state_bytes_deepspeed_convention"] == 16 * PHI_7B
     assert _persistent(r, "params") == 4 * PHI_7B
     assert _persistent(r, "ddp_buckets") == 4 * PHI_7B  # gradient_as_bucket_view=False
     assert _persistent(r, "grads:") == 4 * PHI_7B
@@ -62,9 +69,13 @@ def test_ddp_holds_full_state_and_bucket_copy():
 
 def test_hybrid_shard_state_divides_by_shard_group_only():
     r = simulate(
-        make_scenario(model=BIG, training=SHORT, precision={"param_dtype": "bf16"},
-                      parallel={"world_size": 16, "strategy": "HYBRID_SHARD", "shard_group_size": 8})
-    )  # fmt: skip
+        make_scenario(
+            model=BIG,
+            training=SHORT,
+            precision={"param_dtype": "bf16"},
+            parallel={"world_size": 16, "strategy": "HYBRID_SHARD", "shard_group_size": 8},
+        )
+    )
     assert build_report(r).to_json()["model_state_bytes"] == 16 * PHI_7B // 8
 
 
@@ -85,9 +96,13 @@ def test_fsdp2_pads_dim0_to_the_shard_group():
 def test_ledger_never_negative_and_step_returns_to_resident_state(strategy, ckpt):
     extra = {"shard_group_size": 2} if strategy == "HYBRID_SHARD" else {}
     r = simulate(
-        make_scenario(parallel={"world_size": 4, "strategy": strategy, **extra}, checkpointing={"mode": ckpt},
-                      training={"micro_batch": 2, "seq_len": 64, "grad_accum": 2}, precision={"param_dtype": "bf16"})
-    )  # fmt: skip
+        make_scenario(
+            parallel={"world_size": 4, "strategy": strategy, **extra},
+            checkpointing={"mode": ckpt},
+            training={"micro_batch": 2, "seq_len": 64, "grad_accum": 2},
+            precision={"param_dtype": "bf16"},
+        )
+    )
     curve = memory_curve(r.events, 0)
     for category in MemoryCategory:
         assert curve.by_category[category].min() >= 0
@@ -98,9 +113,15 @@ def test_ledger_never_negative_and_step_returns_to_resident_state(strategy, ckpt
 
 def test_checkpointed_7b_keeps_one_block_input_per_layer():
     """The seed's 34 GB: 32 layers x micro-batch 32 x seq 4096 x hidden 4096 x 2 B."""
-    r = simulate(make_scenario(model=BIG, training={"micro_batch": 32, "seq_len": 4096},
-                               parallel={"world_size": 4}, precision={"param_dtype": "bf16"},
-                               checkpointing={"mode": "full"}))  # fmt: skip
+    r = simulate(
+        make_scenario(
+            model=BIG,
+            training={"micro_batch": 32, "seq_len": 4096},
+            parallel={"world_size": 4},
+            precision={"param_dtype": "bf16"},
+            checkpointing={"mode": "full"},
+        )
+    )
     block_inputs = _persistent(r, "block_input")
     assert block_inputs == 32 * 32 * 4096 * 4096 * 2
     assert build_report(r).to_json()["memory_at_peak_bytes"]["activations"] >= block_inputs * 31 // 32

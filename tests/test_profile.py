@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.errors import UserError
+from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.hardware.parse import profile_from_dict
 from sim.hardware.registry import load_profile
-from sim.hardware.schema import HardwareProfile, SCHEMA_VERSION
+from sim.hardware.schema import SCHEMA_VERSION, HardwareProfile
 
 MiB = 1 << 20
 

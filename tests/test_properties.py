@@ -33,8 +33,13 @@ scenario_args = st.fixed_dictionaries(
 
 
 def _run(a):
-    parallel = {"world_size": a["world_size"], "strategy": a["strategy"], "wrap": a["wrap"],
-                "forward_prefetch": a["forward_prefetch"], "backward_prefetch": a["backward_prefetch"]}  # fmt: skip
+    parallel = {
+        "world_size": a["world_size"],
+        "strategy": a["strategy"],
+        "wrap": a["wrap"],
+        "forward_prefetch": a["forward_prefetch"],
+        "backward_prefetch": a["backward_prefetch"],
+    }
     if a["strategy"] == "HYBRID_SHARD":
         parallel["shard_group_size"] = 2
     simulation = {"seed": a["seed"], "compute_jitter": a["jitter"]}
@@ -120,9 +125,22 @@ def test_same_seed_gives_bit_identical_json(a):
 
 
 def test_jitter_makes_ranks_differ_and_is_seeded():
-    a = {"strategy": "FULL_SHARD", "wrap": "block", "world_size": 4, "layers": 2, "ckpt": "none",
-         "forward_prefetch": 0, "backward_prefetch": 1, "grad_accum": 1, "param_dtype": "fp32", "jitter": 0.2,
-         "slow_rank": None, "overlap": True, "temp_buffers": False, "seed": 1}  # fmt: skip
+    a = {
+        "strategy": "FULL_SHARD",
+        "wrap": "block",
+        "world_size": 4,
+        "layers": 2,
+        "ckpt": "none",
+        "forward_prefetch": 0,
+        "backward_prefetch": 1,
+        "grad_accum": 1,
+        "param_dtype": "fp32",
+        "jitter": 0.2,
+        "slow_rank": None,
+        "overlap": True,
+        "temp_buffers": False,
+        "seed": 1,
+    }
     r1 = build_report(_run(a)).to_json()
     r2 = build_report(_run(a | {"seed": 2})).to_json()
     assert len({p["step_time_s"] for p in r1["per_rank"]}) > 1 or r1["ranks_simulated"] == 4
@@ -130,13 +148,26 @@ def test_jitter_makes_ranks_differ_and_is_seeded():
 
 
 def test_slow_rank_delays_everyone_through_collectives():
-    base = {"strategy": "FULL_SHARD", "wrap": "block", "world_size": 4, "layers": 3, "ckpt": "none",
-            "forward_prefetch": 0, "backward_prefetch": 1, "grad_accum": 1, "param_dtype": "fp32", "jitter": 0.0,
-            "slow_rank": None, "overlap": True, "temp_buffers": False, "seed": 0}  # fmt: skip
-    fast = _run(base)
-    slow = _run(base | {"slow_rank": 1})
-    assert build_report(slow).to_json()["ranks_simulated"] == 4 and build_report(fast).to_json()["ranks_simulated"] == 1
-    assert build_report(slow).to_json()["step_time_s"] > build_report(fast).to_json()["step_time_s"]
+    base = {
+        "strategy": "FULL_SHARD",
+        "wrap": "block",
+        "world_size": 4,
+        "layers": 3,
+        "ckpt": "none",
+        "forward_prefetch": 0,
+        "backward_prefetch": 1,
+        "grad_accum": 1,
+        "param_dtype": "fp32",
+        "jitter": 0.0,
+        "slow_rank": None,
+        "overlap": True,
+        "temp_buffers": False,
+        "seed": 0,
+    }
+    fast = build_report(_run(base)).to_json()
+    slow = build_report(_run(base | {"slow_rank": 1})).to_json()
+    assert slow["ranks_simulated"] == 4 and fast["ranks_simulated"] == 1
+    assert slow["step_time_s"] > fast["step_time_s"]
     # the other ranks wait for rank 1 at every collective: their idle time grows
-    idle = [p["breakdown_s"]["idle"] for p in build_report(slow).to_json()["per_rank"]]
+    idle = [p["breakdown_s"]["idle"] for p in slow["per_rank"]]
     assert min(idle[0], idle[2], idle[3]) > idle[1]

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from sim.errors import UserError
-from sim.workload.model import PRESETS
 from sim.scenario.loader import load_scenario, parse_override
 from sim.scenario.sections import Scenario
+from sim.workload.model import PRESETS
 from sim.workload.options import CheckpointMode, OptimizerName, Strategy, WrapPolicy
 
 FULL = """
@@ -141,8 +141,14 @@ def test_custom_dims_without_preset(tmp_path: Path) -> None:
     text = "[model]\nn_layers = 3\nhidden = 96\nn_heads = 6\nn_kv_heads = 2\nffn_hidden = 250\nvocab = 1000\n"
     m = load_text(tmp_path, text).model
     assert (m.name, m.n_layers, m.hidden, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.vocab) == (
-        "custom", 3, 96, 6, 2, 250, 1000,
-    )  # fmt: skip
+        "custom",
+        3,
+        96,
+        6,
+        2,
+        250,
+        1000,
+    )
     assert m.tie_embeddings is False
 
 

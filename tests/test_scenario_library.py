@@ -29,8 +29,12 @@ def run(name: str, *sets: str) -> dict:
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "sim.cli.main", "run", f"scenarios/{name}", *args, "--format", "json"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -127,7 +131,19 @@ def test_avg_seq_len_counts_real_tokens_and_is_checked() -> None:
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     for bad in ("training.avg_seq_len=4096", "training.avg_seq_len=0"):
         proc = subprocess.run(
-            [sys.executable, "-m", "sim.cli.main", "run", "scenarios/packing-vs-padding-7b.toml", "--set", bad],
-            capture_output=True, text=True, cwd=ROOT, env=env, timeout=60,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "sim.cli.main",
+                "run",
+                "scenarios/packing-vs-padding-7b.toml",
+                "--set",
+                bad,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=60,
+        )
         assert proc.returncode == 2 and "training.avg_seq_len" in proc.stderr, proc.stderr

@@ -3,8 +3,8 @@
 import pytest
 from simtest import make_profile, make_scenario
 
-from sim.costs.collectives import wire_bytes_per_rank
 from sim.core.events import OpKind, Stream
+from sim.costs.collectives import wire_bytes_per_rank
 from sim.outputs.report import build_report
 from sim.simulate import simulate
 from sim.workload.units import ROOT
@@ -24,16 +24,26 @@ def test_exact_event_log_two_units_two_ranks_serial_backend():
     r = simulate(s, make_profile(overlap=False))
     layer = "model.layers.0"
     expected = [
-        ("all_gather", ROOT), ("copy", ROOT), ("forward", ROOT),
-        ("all_gather", layer), ("copy", layer), ("forward", layer), ("forward", ROOT),
+        ("all_gather", ROOT),
+        ("copy", ROOT),
+        ("forward", ROOT),
+        ("all_gather", layer),
+        ("copy", layer),
+        ("forward", layer),
+        ("forward", ROOT),
         # root pre-backward prefetches the unit that ran before it in forward
-        ("all_gather", layer), ("backward", ROOT),
-        ("copy", layer), ("backward", layer), ("copy", layer), ("reduce_scatter", layer),
+        ("all_gather", layer),
+        ("backward", ROOT),
+        ("copy", layer),
+        ("backward", layer),
+        ("copy", layer),
+        ("reduce_scatter", layer),
         ("backward", ROOT),
         # final callback: the root (whose input is the token ids) reduces last
-        ("copy", ROOT), ("reduce_scatter", ROOT),
+        ("copy", ROOT),
+        ("reduce_scatter", ROOT),
         ("optimizer", ROOT),
-    ]  # fmt: skip
+    ]
     assert [len(r.step.units)] == [2]
     for rank in (0, 1):
         ops = sorted(r.events.ops_of(rank), key=lambda o: o.start_s)
@@ -127,8 +137,12 @@ def test_ddp_all_reduces_every_gradient_once_in_buckets():
 
 
 def test_backward_prefetch_reduces_exposed_communication_when_comm_is_slow():
-    base = {"model": {"preset": "llama2-7b", "n_layers": 4}, "training": {"micro_batch": 1, "seq_len": 4096},
-            "parallel": {"world_size": 8}, "precision": {"param_dtype": "bf16"}}  # fmt: skip
+    base = {
+        "model": {"preset": "llama2-7b", "n_layers": 4},
+        "training": {"micro_batch": 1, "seq_len": 4096},
+        "parallel": {"world_size": 8},
+        "precision": {"param_dtype": "bf16"},
+    }
     slow_links = make_profile(bus_bw_Bps=50e9)
     with_prefetch = build_report(simulate(make_scenario(**base), slow_links)).to_json()
     # premise: gathering the weights takes longer than computing with them
@@ -147,7 +161,7 @@ def test_no_reshard_after_forward_drops_backward_all_gathers_and_keeps_params():
     count = lambda r: sum(o.kind is OpKind.ALL_GATHER for o in r.events.ops_of(0))  # noqa: E731
     assert count(resharded) == 1 + 2 * 4 and count(kept) == 1 + 4
     layer_bytes = [u.padded_numel(2) * 4 for u in kept.step.units if not u.is_root]
-    rise = build_report(kept).to_json()["peak_memory_bytes"] - build_report(resharded).to_json()["peak_memory_bytes"]
+    rise = build_report(kept).peak_memory_bytes - build_report(resharded).peak_memory_bytes
     # at the peak the resharded run holds at most two gathered layers; the other run holds all
     assert sum(layer_bytes) - 2 * max(layer_bytes) <= rise <= sum(layer_bytes)
 
@@ -157,11 +171,12 @@ def test_checkpointing_recomputes_each_block_and_saves_less():
     ckpt = simulate(make_scenario(model={"preset": "tiny", "n_layers": 4}, checkpointing={"mode": "full"}))
     recomputes = [o for o in ckpt.events.ops_of(0) if o.kind is OpKind.RECOMPUTE]
     assert sorted({o.unit for o in recomputes}) == [f"model.layers.{i}" for i in range(4)]
+    ckpt_report, plain_report = build_report(ckpt).to_json(), build_report(plain).to_json()
     assert (
-        build_report(ckpt).to_json()["memory_at_peak_bytes"]["activations"]
-        < build_report(plain).to_json()["memory_at_peak_bytes"]["activations"]
+        ckpt_report["memory_at_peak_bytes"]["activations"]
+        < plain_report["memory_at_peak_bytes"]["activations"]
     )
-    assert build_report(ckpt).to_json()["breakdown_s"]["compute"] > build_report(plain).to_json()["breakdown_s"]["compute"]
+    assert ckpt_report["breakdown_s"]["compute"] > plain_report["breakdown_s"]["compute"]
 
 
 def test_grad_accumulation_runs_every_microbatch_and_one_optimizer_step():
@@ -193,11 +208,12 @@ def test_ddp_checkpointing_recomputes_each_block_and_keeps_only_block_inputs():
         m for m in ckpt.events.memory_of(0) if m.label.startswith("block_input") and m.delta_bytes > 0
     ]
     assert len(block_inputs) == 3 and all(m.delta_bytes == 2 * 64 * 64 * 4 for m in block_inputs)
+    ckpt_report, plain_report = build_report(ckpt).to_json(), build_report(plain).to_json()
     assert (
-        build_report(ckpt).to_json()["memory_at_peak_bytes"]["activations"]
-        < build_report(plain).to_json()["memory_at_peak_bytes"]["activations"]
+        ckpt_report["memory_at_peak_bytes"]["activations"]
+        < plain_report["memory_at_peak_bytes"]["activations"]
     )
-    assert build_report(ckpt).to_json()["step_time_s"] > build_report(plain).to_json()["step_time_s"]
+    assert ckpt_report["step_time_s"] > plain_report["step_time_s"]
 
 
 def _max_live(result, prefix):
@@ -223,7 +239,8 @@ def test_all_gathers_in_flight_are_limited_by_the_copy_out_chain(prefetch, limit
         precision={"param_dtype": "bf16"},
     )
     r = simulate(s, make_profile(bus_bw_Bps=5e12))  # communication much faster than compute
-    assert build_report(r).to_json()["collectives"]["all_gather"]["time_s"] < 0.1 * build_report(r).to_json()["breakdown_s"]["compute"]
+    report = build_report(r).to_json()
+    assert report["collectives"]["all_gather"]["time_s"] < 0.1 * report["breakdown_s"]["compute"]
     assert _max_live(r, "all_gather_output") == limit
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from sim import cli
+from sim.cli.main import main as fsdpsim_main
 from sim.errors import UserError
-from sim.study.sweep.plan import Axis, axes_from_table, axis_from_flag, expand, make_plan, merge_axes
 from sim.study.sweep.execute import ExecutorSpec, chunk_size, parse_executor, run_points
+from sim.study.sweep.plan import Axis, axes_from_table, axis_from_flag, expand, make_plan, merge_axes
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "scenarios" / "sweep-7b-strategies.toml"
@@ -53,7 +53,7 @@ def scenario(tmp_path: Path, sweep: str = "") -> Path:
 
 
 def sweep(*args: Any) -> int:
-    return cli.main(["sweep", *map(str, args)])
+    return fsdpsim_main(["sweep", *map(str, args)])
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -75,8 +75,13 @@ def test_grid_is_the_product_with_the_last_axis_fastest() -> None:
     points = expand(axes, "grid", "f")
     assert len(points) == 6
     assert [tuple(v for _, v in p) for p in points] == [
-        (1, "a"), (1, "b"), (1, "c"), (2, "a"), (2, "b"), (2, "c"),
-    ]  # fmt: skip
+        (1, "a"),
+        (1, "b"),
+        (1, "c"),
+        (2, "a"),
+        (2, "b"),
+        (2, "c"),
+    ]
     assert points[0] == (("training.micro_batch", 1), ("parallel.wrap", "a"))
 
 
@@ -112,13 +117,28 @@ def test_sweep_table_reads_quoted_and_nested_dotted_keys() -> None:
 @pytest.mark.parametrize(
     ("table", "message"),
     [
-        ({"parallel.stratgy": ["FULL_SHARD"]}, "f.toml: [sweep]: unknown key 'parallel.stratgy' (did you mean 'parallel.strategy'?)"),
-        ({"paralel.wrap": ["model"]}, "f.toml: [sweep]: 'paralel.wrap': unknown section 'paralel' (did you mean 'parallel'?)"),
-        ({"training.micro_batch": []}, "f.toml: [sweep] 'training.micro_batch' must be a non-empty list of values, got []"),
-        ({"training.micro_batch": 4}, "f.toml: [sweep] 'training.micro_batch' must be a non-empty list of values, got 4"),
-        ({"mode": "cross", "training.micro_batch": [1]}, "f.toml: [sweep] mode = 'cross' is not allowed; allowed: grid, zip"),
+        (
+            {"parallel.stratgy": ["FULL_SHARD"]},
+            "f.toml: [sweep]: unknown key 'parallel.stratgy' (did you mean 'parallel.strategy'?)",
+        ),
+        (
+            {"paralel.wrap": ["model"]},
+            "f.toml: [sweep]: 'paralel.wrap': unknown section 'paralel' (did you mean 'parallel'?)",
+        ),
+        (
+            {"training.micro_batch": []},
+            "f.toml: [sweep] 'training.micro_batch' must be a non-empty list of values, got []",
+        ),
+        (
+            {"training.micro_batch": 4},
+            "f.toml: [sweep] 'training.micro_batch' must be a non-empty list of values, got 4",
+        ),
+        (
+            {"mode": "cross", "training.micro_batch": [1]},
+            "f.toml: [sweep] mode = 'cross' is not allowed; allowed: grid, zip",
+        ),
     ],
-)  # fmt: skip
+)
 def test_sweep_table_mistakes_name_file_and_key(table: dict[str, Any], message: str) -> None:
     with pytest.raises(UserError) as e:
         axes_from_table(table, "f.toml")
@@ -201,8 +221,11 @@ def test_sweep_writes_csv_markdown_and_html(tmp_path: Path, capsys: pytest.Captu
     rows = read_csv(out / "sweep.csv")
     assert list(rows[0]) == ["point", "parallel.strategy", "training.micro_batch", *CSV_TAIL]
     assert [(r["point"], r["parallel.strategy"], r["training.micro_batch"]) for r in rows] == [
-        ("0", "FULL_SHARD", "1"), ("1", "FULL_SHARD", "2"), ("2", "SHARD_GRAD_OP", "1"), ("3", "SHARD_GRAD_OP", "2"),
-    ]  # fmt: skip
+        ("0", "FULL_SHARD", "1"),
+        ("1", "FULL_SHARD", "2"),
+        ("2", "SHARD_GRAD_OP", "1"),
+        ("3", "SHARD_GRAD_OP", "2"),
+    ]
     assert all(r["error"] == "" and r["fits"] == "true" and float(r["step_time_s"]) > 0 for r in rows)
     assert float(rows[1]["tokens_per_s"]) > float(rows[0]["tokens_per_s"])  # twice the tokens per step
     md = (out / "sweep.md").read_text()
@@ -220,8 +243,20 @@ def test_invalid_points_are_reported_in_their_rows(
         tmp_path, '[sweep]\n"parallel.world_size" = [4, 6]\n"training.micro_batch" = [1, "two"]\n'
     )
     out = tmp_path / "out"
-    assert sweep(path, "--out", out, "--jobs", "1", "--set", "parallel.strategy=HYBRID_SHARD",
-                 "--set", "parallel.shard_group_size=4") == 0  # fmt: skip
+    assert (
+        sweep(
+            path,
+            "--out",
+            out,
+            "--jobs",
+            "1",
+            "--set",
+            "parallel.strategy=HYBRID_SHARD",
+            "--set",
+            "parallel.shard_group_size=4",
+        )
+        == 0
+    )
     rows = read_csv(out / "sweep.csv")
     assert [r["error"] for r in rows] == [
         "",
@@ -240,8 +275,22 @@ def test_every_point_invalid_exits_1_without_a_plot(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "sweep.html").write_text("an older sweep's plot")
-    assert sweep(path, "--out", out, "--sweep", "parallel.world_size=3,5", "--set", "parallel.strategy=HYBRID_SHARD",
-                 "--set", "parallel.shard_group_size=2", "--jobs", "1") == 1  # fmt: skip
+    assert (
+        sweep(
+            path,
+            "--out",
+            out,
+            "--sweep",
+            "parallel.world_size=3,5",
+            "--set",
+            "parallel.strategy=HYBRID_SHARD",
+            "--set",
+            "parallel.shard_group_size=2",
+            "--jobs",
+            "1",
+        )
+        == 1
+    )
     assert sorted(p.name for p in out.iterdir()) == ["sweep.csv", "sweep.md"]
 
 
@@ -271,15 +320,21 @@ def test_example_scenario_answers_its_question(tmp_path: Path, capsys: pytest.Ca
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["--sweep", "training.micro_bach=1,2"], "unknown key 'training.micro_bach' (did you mean 'training.micro_batch'?)"),
-        (["--sweep", "training.micro_batch=1,2", "--sweep", "training.seq_len=8", "--zip"], "zip mode needs lists of equal length"),
+        (
+            ["--sweep", "training.micro_bach=1,2"],
+            "unknown key 'training.micro_bach' (did you mean 'training.micro_batch'?)",
+        ),
+        (
+            ["--sweep", "training.micro_batch=1,2", "--sweep", "training.seq_len=8", "--zip"],
+            "zip mode needs lists of equal length",
+        ),
         (["--sweep", "training.micro_batch=1,2", "--executor", "spark"], "--executor 'spark'"),
         (["--sweep", "training.micro_batch=1,2", "--jobs", "0"], "expected a positive integer"),
         (["--sweep", "training.micro_batch=1,2", "--set", "training.micro_batch=4"], "contradict"),
         (["--set", "trainig.seq_len=4", "--sweep", "training.micro_batch=1"], "unknown section 'trainig'"),
         ([], "nothing to sweep"),
     ],
-)  # fmt: skip
+)
 def test_user_mistakes_write_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], fragment: str
 ) -> None:
@@ -319,8 +374,13 @@ def test_cli_subprocess_error_is_one_line(tmp_path: Path) -> None:
         tmp_path, '[sweep]\n"training.micro_batch" = [1, 2]\n"training.seq_len" = [64]\nmode = "zip"\n'
     )
     env = os.environ | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "sim.cli.main", "sweep", str(path), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "sim.cli.main", "sweep", str(path), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert (
         proc.stderr
@@ -344,8 +404,9 @@ def local_csv(tmp_path: Path) -> str:
 @pytest.mark.slow
 def test_dask_executor_gives_the_local_rows(tmp_path: Path) -> None:
     distributed = pytest.importorskip("distributed", reason="the sweep-dask extra is not installed")
-    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, protocol="tcp",
-                                  dashboard_address=None) as cluster:  # fmt: skip
+    with distributed.LocalCluster(
+        n_workers=1, threads_per_worker=2, processes=False, protocol="tcp", dashboard_address=None
+    ) as cluster:
         address = cluster.scheduler_address.removeprefix("tcp://")
         assert sweep(EXAMPLE, *TINY_SET, "--out", tmp_path / "dask", "--executor", f"dask://{address}") == 0
     assert (tmp_path / "dask" / "sweep.csv").read_text() == local_csv(tmp_path)
@@ -358,9 +419,23 @@ def test_ray_executor_connects_to_ray_address(tmp_path: Path) -> None:
     try:
         env = os.environ | {"RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONPATH": str(ROOT)}
         proc = subprocess.run(
-            [sys.executable, "-m", "sim.cli.main", "sweep", str(EXAMPLE), *TINY_SET, "--executor", "ray",
-             "--out", str(tmp_path / "ray")], capture_output=True, text=True, env=env, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "sim.cli.main",
+                "sweep",
+                str(EXAMPLE),
+                *TINY_SET,
+                "--executor",
+                "ray",
+                "--out",
+                str(tmp_path / "ray"),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
     finally:
         ray.shutdown()
     assert proc.returncode == 0, proc.stderr

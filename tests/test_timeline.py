@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from sim.core.events import OpKind
-from sim.outputs.report import build_report
 from sim.outputs.intervals import exposed_comm_intervals, union_length
-from sim.study.sweep.plots import pareto_front, write_sweep_plots
+from sim.outputs.report import build_report
 from sim.outputs.timeline import KIND_COLOURS, timeline_figure, write_timeline_html
+from sim.study.sweep.plots import pareto_front, write_sweep_plots
 
 try:
     from browser import DevTools, decode_png, find_chromium, synthetic_table
@@ -82,6 +82,27 @@ def test_memory_peak_is_the_largest_total():
     totals = np.sum([np.asarray(t.y, dtype=float) for t in stacked], axis=0)
     assert peak.y[0] == pytest.approx(totals.max())
     assert peak.x[0] == pytest.approx(stacked[0].x[int(np.argmax(totals))])
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [[], ["checkpointing.mode=full", "training.grad_accum=2"], ["parallel.strategy=NO_SHARD"]],
+    ids=["zero3", "ckpt-accum", "ddp"],
+)
+def test_report_and_timeline_name_the_same_peak(sets):
+    """One memory curve: the timeline's peak marker is the report's peak, to the byte (in GiB)."""
+    from sim.outputs.display import BYTES_PER_GIB
+    from sim.scenario.loader import load_scenario
+    from sim.simulate import simulate
+
+    result = simulate(load_scenario(SCENARIOS / "tiny.toml", sets))
+    report = build_report(result)
+    fig = timeline_figure(result.events, title="t")
+    (peak,) = [t for t in fig.data if t.name and t.name.startswith("peak (")]
+    assert peak.y[0] * BYTES_PER_GIB == pytest.approx(report.peak_memory_bytes, rel=1e-12)
+    stacked = [t for t in fig.data if t.type == "scatter" and t.stackgroup]
+    totals = np.sum([np.asarray(t.y, dtype=float) for t in stacked], axis=0) * BYTES_PER_GIB
+    assert totals.max() == pytest.approx(report.peak_memory_bytes, rel=1e-12)
 
 
 def test_pareto_front():
@@ -157,18 +178,32 @@ def test_real_scenario_timeline_renders(browser, tmp_path):
     result = simulate(load_scenario(SCENARIOS / "tiny.toml"))
     path = tmp_path / "tiny.html"
     write_timeline_html(
-        result.events, path, title="tiny", device_memory_bytes=build_report(result).to_json()["device_memory_bytes"]
+        result.events,
+        path,
+        title="tiny",
+        device_memory_bytes=build_report(result).to_json()["device_memory_bytes"],
     )
     assert_rendered(browser.load(path))
 
 
 def test_sweep_plots_render(browser, tmp_path):
     rows = [
-        dict(name=f"{s}-{w}", strategy=s, wrap=w, step_time_s=t, peak_memory_bytes=m << 30,
-             device_memory_bytes=80 << 30, breakdown_s=dict(compute=t * 0.7, exposed_comm=t * 0.2, idle=t * 0.1))
-        for s, w, t, m in [("FULL_SHARD", "block", 0.5, 30), ("SHARD_GRAD_OP", "block", 0.4, 60),
-                           ("FULL_SHARD", "model", 0.7, 20), ("NO_SHARD", "model", 0.45, 90)]
-    ]  # fmt: skip
+        dict(
+            name=f"{s}-{w}",
+            strategy=s,
+            wrap=w,
+            step_time_s=t,
+            peak_memory_bytes=m << 30,
+            device_memory_bytes=80 << 30,
+            breakdown_s=dict(compute=t * 0.7, exposed_comm=t * 0.2, idle=t * 0.1),
+        )
+        for s, w, t, m in [
+            ("FULL_SHARD", "block", 0.5, 30),
+            ("SHARD_GRAD_OP", "block", 0.4, 60),
+            ("FULL_SHARD", "model", 0.7, 20),
+            ("NO_SHARD", "model", 0.45, 90),
+        ]
+    ]
     path = tmp_path / "sweep.html"
     write_sweep_plots(rows, path)
     report = browser.load(path)

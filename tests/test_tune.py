@@ -13,14 +13,15 @@ import pytest
 
 from sim.errors import UserError
 from sim.hardware.registry import load_profile
+from sim.outputs.report import build_report
 from sim.scenario.loader import load_scenario
-from sim.workload.options import CheckpointMode, Strategy, WrapPolicy
 from sim.simulate import build_step, simulate
-from sim.study.tune.tuner import tune
 from sim.study.tune.bounds import memory_lower_bound_bytes, step_time_lower_bound_s
 from sim.study.tune.report import format_table, to_json
 from sim.study.tune.search import SearchResult, Status, search
 from sim.study.tune.space import apply, candidates, global_batch, per_rank_batch
+from sim.study.tune.tuner import tune
+from sim.workload.options import CheckpointMode, Strategy, WrapPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,8 +76,12 @@ def fsdpsim(*args: str | Path) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "sim.cli.main", *map(str, args)],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_space_keeps_the_global_batch_and_dedups(small: Path) -> None:
@@ -87,7 +92,8 @@ def test_space_keeps_the_global_batch_and_dedups(small: Path) -> None:
     assert len(set(cands)) == len(cands) and cands == sorted(cands)
     ddp = [c for c in cands if c.strategy is Strategy.NO_SHARD]
     assert {(c.wrap, c.checkpointing, c.forward_prefetch) for c in ddp} == {
-        (WrapPolicy.BLOCK, CheckpointMode.NONE, 0)
+        (WrapPolicy.BLOCK, CheckpointMode.NONE, 0),
+        (WrapPolicy.BLOCK, CheckpointMode.FULL, 0),  # DDP can checkpoint activations too
     }
     hybrid = [c for c in cands if c.strategy is Strategy.HYBRID_SHARD]
     assert hybrid and {c.shard_group_size for c in hybrid} == {8}  # the node size
@@ -104,9 +110,9 @@ def test_bounds_never_exceed_the_simulation(small: Path) -> None:
     for c in candidates(scenario, global_batch(scenario)):
         s = apply(scenario, c)
         step, _, _ = build_step(s, profile)
-        report = simulate(s, profile).report
-        assert memory_lower_bound_bytes(s, step) <= report["peak_memory_bytes"], c
-        assert step_time_lower_bound_s(s, step) <= report["step_time_s"] * (1 + 1e-12), c
+        report = build_report(simulate(s, profile)).to_json()
+        assert memory_lower_bound_bytes(step) <= report["peak_memory_bytes"], c
+        assert step_time_lower_bound_s(step) <= report["step_time_s"] * (1 + 1e-12), c
 
 
 def test_pruning_never_drops_a_fitting_point(small: Path) -> None:
@@ -141,8 +147,15 @@ def test_output_is_deterministic_and_explains(small: Path) -> None:
     text = format_table(first)
     assert text == format_table(tune(str(small)))
     assert json.dumps(to_json(first)) == json.dumps(to_json(tune(str(small))))
-    for fragment in ("pruned by the memory bound", "simulated", "CPU offload", "why", "exposed comm",
-                     "best per choice", "reproduce #1"):  # fmt: skip
+    for fragment in (
+        "pruned by the memory bound",
+        "simulated",
+        "CPU offload",
+        "why",
+        "exposed comm",
+        "best per choice",
+        "reproduce #1",
+    ):
         assert fragment in text, fragment
 
 

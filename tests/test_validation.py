@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from sim.core.events import OpKind
-from sim.scenario.loader import load_scenario
 from sim.outputs.report import build_report
+from sim.scenario.loader import load_scenario
 from sim.simulate import simulate
 from validation.compare import simulated_phases
 from validation.real_timeline import timeline_table
@@ -28,8 +28,24 @@ pytestmark = pytest.mark.slow
 def cpu_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This machine's collectives, measured quickly (small sizes are all the tiny model needs)."""
     path = tmp_path_factory.mktemp("profile") / "cpu.json"
-    cmd = [sys.executable, "-m", "calibrate", "comm", "--nproc", "2", "--out", str(path), "--max-bytes", "1M",
-           "--dtypes", "fp32,bf16", "--iters", "3", "--max-iters", "5"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "calibrate",
+        "comm",
+        "--nproc",
+        "2",
+        "--out",
+        str(path),
+        "--max-bytes",
+        "1M",
+        "--dtypes",
+        "fp32,bf16",
+        "--iters",
+        "3",
+        "--max-iters",
+        "5",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return path
@@ -37,8 +53,24 @@ def cpu_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _validate(profile: Path, *overrides: str, extra: tuple[str, ...] = ()) -> dict:
     sets = [a for o in overrides for a in ("--set", o)] + list(extra)
-    cmd = [sys.executable, "-m", "sim.cli.main", "validate", TINY, "--nproc", "2", "--steps", "2", "--warmup", "1",
-           "--profile", str(profile), "--format", "json", *sets]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sim.cli.main",
+        "validate",
+        TINY,
+        "--nproc",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--profile",
+        str(profile),
+        "--format",
+        "json",
+        *sets,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout[proc.stdout.index("{") :])
@@ -158,10 +190,14 @@ def test_medians_pair_rows_by_metric_and_leave_out_a_row_some_round_lacks() -> N
     from validation.compare import Comparison, Row
     from validation.matrix import median_comparison
 
-    a = Comparison(rows=[Row("step time", 1.0, 2.0, "s"), Row("wait", 0.0, 1.0, "s"), Row("peak memory", 5.0, 5.0, "B")],
-                   measured_step_s={"median": 2.0, "min": 2.0, "max": 2.0})  # fmt: skip
-    b = Comparison(rows=[Row("step time", 3.0, 4.0, "s"), Row("peak memory", 7.0, 7.0, "B")],
-                   measured_step_s={"median": 4.0, "min": 4.0, "max": 4.0})  # fmt: skip
+    a = Comparison(
+        rows=[Row("step time", 1.0, 2.0, "s"), Row("wait", 0.0, 1.0, "s"), Row("peak memory", 5.0, 5.0, "B")],
+        measured_step_s={"median": 2.0, "min": 2.0, "max": 2.0},
+    )
+    b = Comparison(
+        rows=[Row("step time", 3.0, 4.0, "s"), Row("peak memory", 7.0, 7.0, "B")],
+        measured_step_s={"median": 4.0, "min": 4.0, "max": 4.0},
+    )
     combined = median_comparison([a, b])
     assert [r.metric for r in combined.rows] == ["step time", "peak memory"]
     assert (combined.rows[1].predicted, combined.rows[1].measured) == (6.0, 6.0)

@@ -39,6 +39,10 @@ def memory_curve(table: EventTable, rank: int) -> MemoryCurve:
     """The curve of job rank ``rank`` (the simulated rank that stands for it)."""
     records = table.memory_of(rank)
     times = np.array([m.time_s for m in records], dtype=float)
+    if np.any(np.diff(times) < 0):
+        raise ValueError(
+            f"rank {rank}'s memory records are not in time order; the curve needs the ledger's order"
+        )
     by_category = {}
     for category in MemoryCategory:
         deltas = np.array([m.delta_bytes if m.category is category else 0 for m in records], dtype=np.int64)
