@@ -10,12 +10,15 @@ from sim.hardware.schema import (
     ATTENTION_KERNELS,
     BACKENDS,
     COLLECTIVES,
+    READABLE_VERSIONS,
     SCHEMA_VERSION,
+    AttentionCurve,
     BackendSpec,
     CollectiveCurve,
     DeviceSpec,
     HardwareProfile,
     LinkModel,
+    NodeSpec,
 )
 
 
@@ -54,21 +57,82 @@ def _curve(raw: Any, where: str, index: int) -> CollectiveCurve:
     )
 
 
+def _per_dtype(dev: JsonReader, key: str, where: str, default: object = ...) -> dict[str, float]:
+    """A ``{dtype: positive number}`` table, with canonical dtype names."""
+    table = {}
+    for dtype, value in dev.get(key, dict, default).items():
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise UserError(f"{where}: field device.{key}.{dtype} must be a positive number")
+        table[_dtype(dtype, where, f"field device.{key}.{dtype}")] = float(value)
+    return table
+
+
+def _attention(dev: JsonReader, where: str) -> tuple[AttentionCurve, ...]:
+    curves = []
+    for i, raw in enumerate(dev.get("attention", list, [])):
+        r = JsonReader(raw, where, f"device.attention[{i}]")
+        seq = tuple(int(x) for x in r.get("seq_lens", list))
+        flops = tuple(float(x) for x in r.get("fwd_bwd_flops", list))
+        if not seq or len(seq) != len(flops) or list(seq) != sorted(set(seq)) or min(flops) <= 0:
+            raise UserError(
+                f"{where}: device.attention[{i}] needs increasing seq_lens and as many positive fwd_bwd_flops"
+            )
+        curves.append(
+            AttentionCurve(
+                kernel=r.choice("kernel", ATTENTION_KERNELS),
+                head_dim=int(r.positive("head_dim")),
+                causal=r.get("causal", bool),
+                seq_lens=seq,
+                fwd_bwd_flops=flops,
+            )
+        )
+    return tuple(curves)
+
+
 def _device(dev: JsonReader, where: str) -> DeviceSpec:
-    peak = {}
-    for dtype, value in dev.get("peak_flops", dict).items():
-        if not isinstance(value, int | float) or value <= 0:
-            raise UserError(f"{where}: field device.peak_flops.{dtype} must be a positive number")
-        peak[_dtype(dtype, where, f"field device.peak_flops.{dtype}")] = float(value)
-    efficiency = dev.positive("compute_efficiency")
+    efficiency = dev.positive("compute_efficiency", 1.0)
     if efficiency > 1:
         raise UserError(f"{where}: field device.compute_efficiency must be in (0, 1], got {efficiency}")
+    hbm = dev.get("achievable_hbm_bandwidth_Bps", (int, float), None)
+    sms = dev.get("sm_count", int, None)
     return DeviceSpec(
         name=dev.get("name", str),
         memory_bytes=int(dev.positive("memory_bytes")),
-        peak_flops=peak,
+        peak_flops=_per_dtype(dev, "peak_flops", where),
         hbm_bandwidth_Bps=dev.positive("hbm_bandwidth_Bps"),
         compute_efficiency=efficiency,
+        architecture=dev.get("architecture", str, ""),
+        matmul_flops=_per_dtype(dev, "matmul_flops", where, {}),
+        achievable_hbm_bandwidth_Bps=None if hbm is None else dev.positive("achievable_hbm_bandwidth_Bps"),
+        sm_count=None if sms is None else int(dev.positive("sm_count")),
+        kernel_launch_s=dev.number("kernel_launch_s", 0.0, 0.0),
+        host_op_overhead_s=dev.number("host_op_overhead_s", 0.0, 0.0),
+        overlap_slowdown=dev.number("overlap_slowdown", 1.0, 1.0),
+        attention=_attention(dev, where),
+        context_bytes=int(dev.number("context_bytes", 0.0, 0)),
+        cublas_workspace_bytes=int(dev.number("cublas_workspace_bytes", 0.0, 0)),
+    )
+
+
+def _node(r: JsonReader) -> NodeSpec:
+    if "node" not in r.data:
+        return NodeSpec()
+    n = r.sub("node")
+    optional = {k: n.get(k, (int, float), None) for k in ("nvlink_bw_Bps", "host_to_device_Bps")}
+    for key, value in optional.items():
+        if value is not None:
+            n.positive(key)
+    gen = n.get("pcie_gen", int, None)
+    host = n.get("host_memory_bytes", int, None)
+    return NodeSpec(
+        nvlink_bw_Bps=optional["nvlink_bw_Bps"],
+        nvswitch=n.get("nvswitch", bool, False),
+        pcie_gen=None if gen is None else int(n.positive("pcie_gen")),
+        pcie_lanes=int(n.positive("pcie_lanes", 16)),
+        host_to_device_Bps=optional["host_to_device_Bps"],
+        nics_per_node=int(n.number("nics_per_node", 0.0, 0)),
+        nic_gbps=n.number("nic_gbps", 0.0, 0.0),
+        host_memory_bytes=None if host is None else int(n.positive("host_memory_bytes")),
     )
 
 
@@ -86,10 +150,10 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
     """Validate a profile's JSON object; every error names ``where`` and the field."""
     r = JsonReader(data, where)
     version = r.get("schema_version", int)
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise UserError(
-            f"{where}: schema_version {version} is not supported (this fsdp-sim reads version {SCHEMA_VERSION}); "
-            "recalibrate with this version"
+            f"{where}: schema_version {version} is not supported (this fsdp-sim reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))} and writes {SCHEMA_VERSION}); recalibrate with this version"
         )
     topo = r.sub("topology")
     compute = r.get("compute", dict, None)
@@ -104,4 +168,5 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
         inter_node=_link(topo.sub("inter_node")),
         collectives=tuple(_curve(c, where, i) for i, c in enumerate(r.get("collectives", list, []))),
         compute=parse_compute_section(compute, where) if compute is not None else None,
+        node=_node(r),
     )

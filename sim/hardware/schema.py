@@ -11,10 +11,11 @@ from typing import Any
 
 from sim.hardware.compute_section import ComputeSection
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # version 3 only adds optional fields (the GPU model's inputs, ``node``)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 BACKENDS = ("nccl", "gloo")
-ATTENTION_KERNELS = ("flash", "math")
+ATTENTION_KERNELS = ("flash", "cudnn", "efficient", "math")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,12 +45,50 @@ class CollectiveCurve:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttentionCurve:
+    """Published throughput of one attention kernel: forward+backward FLOP/s by sequence length,
+    FLOPs counted as the FlashAttention benchmarks count them (forward 4·b·s²·h·d, halved when
+    causal; backward 2.5 × forward)."""
+
+    kernel: str  # "flash", "cudnn", "efficient", "math"
+    head_dim: int
+    causal: bool
+    seq_lens: tuple[int, ...]
+    fwd_bwd_flops: tuple[float, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
     name: str
     memory_bytes: int
-    peak_flops: Mapping[str, float]  # dtype -> dense FLOP/s
+    peak_flops: Mapping[str, float]  # dtype -> dense FLOP/s (datasheet; calibrated: measured)
     hbm_bandwidth_Bps: float
-    compute_efficiency: float  # achieved fraction of peak for matmul-bound layers
+    compute_efficiency: float = 1.0  # version 2: achieved fraction of peak for matmul-bound layers
+    # -- the GPU compute model's inputs (sim.costs.gpu), each from a kernel-level measurement --
+    architecture: str = ""  # "sm80", "sm90", "sm100", "sm86", "sm89", "gfx942", "cpu"
+    matmul_flops: Mapping[str, float] = field(default_factory=dict)  # max achievable (MAMF) per dtype
+    achievable_hbm_bandwidth_Bps: float | None = None  # streaming read+write rate
+    sm_count: int | None = None
+    kernel_launch_s: float = 0.0  # back-to-back kernels: the device's floor per kernel
+    host_op_overhead_s: float = 0.0  # eager PyTorch: host time to issue one op
+    overlap_slowdown: float = 1.0  # compute slowdown while a collective overlaps it
+    attention: tuple[AttentionCurve, ...] = ()
+    context_bytes: int = 0  # CUDA context and kernels, outside the caching allocator
+    cublas_workspace_bytes: int = 0  # per (handle, stream), through the caching allocator
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeSpec:
+    """What one server holds besides its GPUs: the links the network model and offload use."""
+
+    nvlink_bw_Bps: float | None = None  # per GPU, per direction; None: no NVLink
+    nvswitch: bool = False
+    pcie_gen: int | None = None
+    pcie_lanes: int = 16
+    host_to_device_Bps: float | None = None  # measured pinned copy rate
+    nics_per_node: int = 0
+    nic_gbps: float = 0.0
+    host_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +112,7 @@ class HardwareProfile:
     collectives: tuple[CollectiveCurve, ...] = ()
     source: Mapping[str, Any] = field(default_factory=dict)
     compute: ComputeSection | None = None  # per-unit measurements from ``calibrate compute``
+    node: NodeSpec = field(default_factory=NodeSpec)
 
     def curve(
         self, collective: str, group_size: int, dtype: str, spans_nodes: bool
