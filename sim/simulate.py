@@ -4,7 +4,7 @@ The step's report, timeline and trace are made from the result by ``sim.outputs`
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from sim.core.engine import Variability, run_program
@@ -14,7 +14,7 @@ from sim.core.topology import GroupKind, Topology
 from sim.costs.collectives import CollectiveCost, collective_cost
 from sim.costs.compute import build_compute_costs
 from sim.dtypes import dtype_bytes
-from sim.hardware.registry import load_profile
+from sim.hardware.registry import builtin_devices, load_profile
 from sim.hardware.schema import HardwareProfile
 from sim.scenario.sections import Scenario
 from sim.schedule.ddp import build_ddp_program
@@ -69,6 +69,7 @@ def build_step(
         optimizer=scenario.optimizer.name,
         allow_scaling=scenario.cluster.compute_scaling,
         fsdp=parallel.strategy is not Strategy.NO_SHARD,
+        lenders=builtin_devices(),
     )
     topology = _topology(scenario)
 
@@ -103,11 +104,21 @@ def build_step(
     return step, topology, ops
 
 
+def scenario_profile(scenario: Scenario, profile: HardwareProfile | None = None) -> HardwareProfile:
+    """``profile`` (default: the scenario's ``cluster.profile``) with the scenario's own device
+    memory when ``cluster.device_memory_gib`` is set."""
+    if profile is None:
+        profile = load_profile(scenario.cluster.profile, where=f"{scenario.source}: cluster.profile")
+    gib = scenario.cluster.device_memory_gib
+    if gib is None:
+        return profile
+    return replace(profile, device=replace(profile.device, memory_bytes=round(gib * (1 << 30))))
+
+
 def simulate(scenario: Scenario, profile: HardwareProfile | None = None) -> SimResult:
     """Simulate one optimizer step (all micro-batches) of ``scenario``; ``profile`` defaults to
     the scenario's ``cluster.profile``."""
-    if profile is None:
-        profile = load_profile(scenario.cluster.profile, where=f"{scenario.source}: cluster.profile")
+    profile = scenario_profile(scenario, profile)
     step, topology, ops = build_step(scenario, profile)
     program = build_fsdp2_program(step) if step.sharded else build_ddp_program(step)
     sim = scenario.simulation

@@ -8,6 +8,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from sim.cli import presets, profiles, run
 from sim.errors import UserError
 
 # verbs whose modules own their flags: ``main(argv) -> exit code``, imported only when asked for
@@ -30,12 +31,11 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from sim.cli import run
-
     parser = argparse.ArgumentParser(prog="fsdpsim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run.add_parser(sub)
     sub.add_parser("presets", help="list model presets and built-in hardware profiles")
+    profiles.add_parser(sub)
     sub.add_parser("calibrate", help="measure collectives and per-unit compute (see `fsdpsim calibrate -h`)")
     sub.add_parser("validate", help="compare a prediction with a real FSDP2 run (see `fsdpsim validate -h`)")
     sub.add_parser("sweep", help="run a grid of scenario variants (see `fsdpsim sweep -h`)")
@@ -48,9 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] and argv[0] in DELEGATED:
         return _guard(lambda: _delegate(DELEGATED[argv[0]], argv[1:]))
     args = _parser().parse_args(argv)
-    from sim.cli import presets, run
-
-    commands = {"run": run.main, "presets": presets.main}
+    commands = {"run": run.main, "presets": presets.main, "profiles": profiles.main}
     return _guard(lambda: commands[args.command](args))
 
 

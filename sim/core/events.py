@@ -18,6 +18,7 @@ class Stream(StrEnum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
+    HOST = "host"  # the CPU thread that issues the kernels (runs ahead of the device)
 
 
 class OpKind(StrEnum):
@@ -29,6 +30,7 @@ class OpKind(StrEnum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
+    HOST = "host"  # host work that issues kernels: eager dispatch, FSDP2's hooks
 
     @property
     def is_collective(self) -> bool:

@@ -1,21 +1,24 @@
 """Time and activation memory of the computation, per segment. Pure functions of a profile.
 
-Without calibration, an op takes flops / (peak * efficiency) + memory_bytes / HBM bandwidth
-(a roofline sum: matmuls are compute-bound, norms and activations memory-bound); backward is
-twice forward (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-Clusters", Sec. 5.1). A ``compute`` section in the profile (written by ``calibrate compute``)
-replaces these with measurements: each group (embedding, decoder block, head) is scaled so that
-its total equals the measured time or bytes, which keeps the split between the ops of a group
-(needed for ``linear`` wrapping) from the analytic model.
+Each op's forward and backward time comes from a kernel model: on a GPU profile with the
+published kernel-level figures, ``sim.costs.gpu.GpuKernelModel`` (matmul shapes, attention
+kernels, memory-bound bytes, launch floors); otherwise ``Roofline``: flops / (peak × efficiency)
++ memory_bytes / HBM bandwidth, backward twice forward (Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters", Sec. 5.1). A ``compute`` section in the
+profile (written by ``calibrate compute``) replaces these with measurements: each group
+(embedding, decoder block, head) is scaled so that its total equals the measured time or bytes,
+which keeps the split between the ops of a group (needed for ``linear`` wrapping) from the model.
 """
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from sim.costs.gpu import has_gpu_figures, kernel_model
 from sim.dtypes import dtype_bytes
 from sim.errors import UserError
 from sim.hardware.compute_section import MODEL_FIELDS, ComputeSection, UnitMeasurement
-from sim.hardware.schema import HardwareProfile
+from sim.hardware.schema import DeviceSpec, HardwareProfile
 from sim.workload.layers import CalibrationGroup, LayerOp, Workload, layer_ops
 from sim.workload.model import ModelConfig
 from sim.workload.options import OptimizerName
@@ -25,6 +28,23 @@ from sim.workload.units import Segment
 # exp_avg_sq and writes param, exp_avg, exp_avg_sq (7 x 4 B); SGD reads param, grad, momentum
 # and writes param, momentum (5 x 4 B).
 OPTIMIZER_BYTES_PER_ELEMENT = {OptimizerName.ADAMW: 28, OptimizerName.SGD: 20, OptimizerName.NONE: 0}
+
+
+class KernelModel(Protocol):
+    def op_s(self, op: LayerOp, attention_kernel: str) -> tuple[float, float]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Roofline:
+    """An op's forward time as flops at the peak × efficiency plus its bytes at the HBM bandwidth;
+    backward twice forward."""
+
+    flops_per_s: float
+    hbm_Bps: float
+
+    def op_s(self, op: LayerOp, attention_kernel: str) -> tuple[float, float]:
+        fwd = op.flops / self.flops_per_s + op.memory_bytes / self.hbm_Bps
+        return fwd, 2.0 * fwd
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,30 +69,37 @@ class SegmentFigures:
     saved_bytes: int
     forward_transient_bytes: int
     backward_transient_bytes: int
+    # the host's eager dispatch of the segment's ops (zero where the host is the device or unmodelled)
+    forward_host_s: float = 0.0
+    backward_host_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
 class ComputeCosts:
     """The compute cost model for one scenario on one profile."""
 
-    peak_flops: float
-    efficiency: float
-    hbm_bandwidth_Bps: float
+    kernels: KernelModel
+    attention_kernel: str
     copy_Bps: float
     optimizer_s_per_element: float
     # FSDP2's measured host work around each unit (hooks, DTensor, allocation), per unit and pass;
     # zero unless the host is the device (on a GPU it runs ahead of the kernels)
     fsdp_forward_overhead_s: float = 0.0
     fsdp_backward_overhead_s: float = 0.0
+    # on a GPU host: eager dispatch per Python-level op (backward: autograd issues about twice as
+    # many), and FSDP2's per-unit hook work, both on the host stream
+    host_op_s: float = 0.0
+    fsdp_forward_host_s: float = 0.0
+    fsdp_backward_host_s: float = 0.0
     scales: Mapping[CalibrationGroup, GroupScale] = field(default_factory=dict)
 
     @property
     def calibrated(self) -> bool:
         return bool(self.scales)
 
-    def op_forward_s(self, op: LayerOp) -> float:
-        """Uncalibrated forward time of one op (roofline sum)."""
-        return op.flops / (self.peak_flops * self.efficiency) + op.memory_bytes / self.hbm_bandwidth_Bps
+    def op_s(self, op: LayerOp) -> tuple[float, float]:
+        """Uncalibrated (forward, backward) time of one op, from the kernel model."""
+        return self.kernels.op_s(op, self.attention_kernel)
 
     def _scale(self, op: LayerOp, quantity: str) -> float:
         scale = self.scales.get(op.group) if op.group else None
@@ -81,8 +108,10 @@ class ComputeCosts:
     def figures(self, seg: Segment) -> SegmentFigures:
         """A segment's times and bytes (the step computes them once per segment)."""
 
-        def total(quantity: str, factor: float = 1.0) -> float:
-            return sum(factor * self.op_forward_s(op) * self._scale(op, quantity) for op in seg.ops)
+        times = [self.op_s(op) for op in seg.ops]
+
+        def total(quantity: str, which: int = 0) -> float:
+            return sum(t[which] * self._scale(op, quantity) for op, t in zip(seg.ops, times, strict=True))
 
         def largest(quantity: str) -> int:
             # ops run one after another, so a segment's transient is its largest op's
@@ -90,11 +119,13 @@ class ComputeCosts:
 
         return SegmentFigures(
             forward_s=total("forward"),
-            backward_s=total("backward", 2.0),
+            backward_s=total("backward", 1),
             recompute_s=total("recompute"),
             saved_bytes=round(sum(op.saved_bytes * self._scale(op, "saved") for op in seg.ops)),
             forward_transient_bytes=largest("forward_transient"),
             backward_transient_bytes=largest("backward_transient"),
+            forward_host_s=sum(op.host_ops for op in seg.ops) * self.host_op_s,
+            backward_host_s=2 * sum(op.host_ops for op in seg.ops) * self.host_op_s,
         )
 
     def copy_s(self, nbytes: float) -> float:
@@ -115,11 +146,12 @@ def _ratio(measured: float, analytic: float) -> float:
 
 
 def _group_scale(costs: ComputeCosts, members: list[LayerOp], measured: UnitMeasurement) -> GroupScale:
-    fwd = sum(costs.op_forward_s(op) for op in members)
+    fwd = sum(costs.op_s(op)[0] for op in members)
+    bwd = sum(costs.op_s(op)[1] for op in members)
     recompute = measured.recompute_s if measured.recompute_s > 0 else measured.forward_s
     return GroupScale(
         forward=_ratio(measured.forward_s, fwd),
-        backward=_ratio(measured.backward_s, 2.0 * fwd),
+        backward=_ratio(measured.backward_s, bwd),
         recompute=_ratio(recompute, fwd),
         saved=_ratio(measured.saved_activation_bytes, sum(op.saved_bytes for op in members)),
         forward_transient=_ratio(
@@ -131,20 +163,42 @@ def _group_scale(costs: ComputeCosts, members: list[LayerOp], measured: UnitMeas
     )
 
 
+def streaming_Bps(device: DeviceSpec) -> float:
+    """The rate memory-bound kernels move bytes at: measured where published, else the datasheet's."""
+    return device.achievable_hbm_bandwidth_Bps or device.hbm_bandwidth_Bps
+
+
+def _kernels(profile: HardwareProfile, dtype: str, lenders: Mapping[str, DeviceSpec]) -> KernelModel:
+    device = profile.device
+    if has_gpu_figures(device, dtype) and profile.compute is None:
+        return kernel_model(device, dtype, dict(lenders))
+    return Roofline(
+        flops_per_s=device.peak_flops[dtype] * device.compute_efficiency, hbm_Bps=device.hbm_bandwidth_Bps
+    )
+
+
 def _analytic_costs(
-    profile: HardwareProfile, dtype: str, optimizer: OptimizerName, where: str
+    profile: HardwareProfile,
+    dtype: str,
+    optimizer: OptimizerName,
+    where: str,
+    lenders: Mapping[str, DeviceSpec] | None = None,
 ) -> ComputeCosts:
     device = profile.device
     if dtype not in device.peak_flops:
         raise UserError(
             f"{where}: device.peak_flops has no {dtype} entry; has: {', '.join(device.peak_flops)}"
         )
+    bandwidth = streaming_Bps(device) if profile.compute is None else device.hbm_bandwidth_Bps
+    gpu_host = profile.compute is None and profile.backend.overlaps_comm_compute
     return ComputeCosts(
-        peak_flops=device.peak_flops[dtype],
-        efficiency=device.compute_efficiency,
-        hbm_bandwidth_Bps=device.hbm_bandwidth_Bps,
-        copy_Bps=device.hbm_bandwidth_Bps / 2.0,  # a copy reads and writes every byte
-        optimizer_s_per_element=OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / device.hbm_bandwidth_Bps,
+        kernels=_kernels(profile, dtype, lenders or {}),
+        attention_kernel=profile.backend.attention_kernel,
+        copy_Bps=bandwidth / 2.0,  # a copy reads and writes every byte
+        optimizer_s_per_element=OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / bandwidth,
+        host_op_s=device.host_op_overhead_s if gpu_host else 0.0,
+        fsdp_forward_host_s=profile.backend.fsdp_unit_host_forward_s if gpu_host else 0.0,
+        fsdp_backward_host_s=profile.backend.fsdp_unit_host_backward_s if gpu_host else 0.0,
     )
 
 
@@ -198,14 +252,16 @@ def build_compute_costs(
     optimizer: OptimizerName,
     allow_scaling: bool = False,
     fsdp: bool = True,
+    lenders: Mapping[str, DeviceSpec] | None = None,
 ) -> ComputeCosts:
     """The cost model for ``param_dtype`` work on ``profile``, calibrated when the profile has a
     compute section. A section measured at other dimensions is refused, unless ``allow_scaling``:
     then each group's measured/analytic ratios, taken at the measured dimensions, scale the
     analytic model at the scenario's. ``fsdp`` picks the optimizer measured on FSDP2's DTensor
-    shards (else on plain tensors, as DDP holds them)."""
+    shards (else on plain tensors, as DDP holds them). ``lenders`` are profiles a part without
+    a published attention curve may borrow one from (``sim.costs.gpu.borrowed_attention``)."""
     where = f"profile {profile.name}"
-    costs = _analytic_costs(profile, param_dtype, optimizer, where)
+    costs = _analytic_costs(profile, param_dtype, optimizer, where, lenders)
     compute = profile.compute
     if compute is None:
         return costs
@@ -226,9 +282,8 @@ def build_compute_costs(
     )
     in_step = compute.host_overhead_in_step
     return ComputeCosts(
-        peak_flops=costs.peak_flops,
-        efficiency=costs.efficiency,
-        hbm_bandwidth_Bps=costs.hbm_bandwidth_Bps,
+        kernels=costs.kernels,
+        attention_kernel=costs.attention_kernel,
         copy_Bps=compute.copy_Bps,
         optimizer_s_per_element=optimizer_s,
         fsdp_forward_overhead_s=compute.fsdp_forward_overhead_s if in_step else 0.0,

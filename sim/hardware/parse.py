@@ -137,7 +137,10 @@ def _node(r: JsonReader) -> NodeSpec:
 
 
 def _backend(be: JsonReader) -> BackendSpec:
+    host = be.sub("fsdp2_unit_host_s") if "fsdp2_unit_host_s" in be.data else None
     return BackendSpec(
+        fsdp_unit_host_forward_s=host.number("forward") if host else 0.0,
+        fsdp_unit_host_backward_s=host.number("backward") if host else 0.0,
         name=be.choice("name", BACKENDS),
         overlaps_comm_compute=be.get("overlaps_comm_compute", bool),
         collective_temp_buffers=be.get("collective_temp_buffers", bool),

@@ -14,7 +14,7 @@ from sim.errors import UserError
 from sim.fileio import read_json
 from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.hardware.parse import profile_from_dict
-from sim.hardware.schema import HardwareProfile
+from sim.hardware.schema import DeviceSpec, HardwareProfile
 
 
 def read_profile_document(path: str | Path) -> dict[str, Any]:
@@ -47,6 +47,11 @@ def _load_file(path: str, mtime_ns: int, size: int) -> HardwareProfile:
 @cache
 def _load_builtin(name: str) -> HardwareProfile:
     return profile_from_dict(BUILTIN_PROFILES[name], f"built-in profile {name}")
+
+
+def builtin_devices() -> dict[str, DeviceSpec]:
+    """Every built-in profile's device, by profile name."""
+    return {name: _load_builtin(name).device for name in BUILTIN_PROFILES}
 
 
 def load_profile(name_or_path: str, where: str = "cluster.profile") -> HardwareProfile:

@@ -98,6 +98,10 @@ class BackendSpec:
     collective_temp_buffers: bool  # gloo copies the whole input/output into a temporary
     attention_kernel: str  # "flash" (no seq^2 buffers) or "math" (seq^2 scores)
     collective_launch_s: float = 0.0  # per-collective fixed host overhead on top of the link latency
+    # FSDP2's host work per unit and pass (hooks, DTensor bookkeeping) on a GPU host, where it runs
+    # ahead of the device on the host stream; a calibrated CPU profile measures it in ``compute``
+    fsdp_unit_host_forward_s: float = 0.0
+    fsdp_unit_host_backward_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,5 +133,8 @@ class HardwareProfile:
 
     @property
     def compute_slowdown_during_collective(self) -> float:
-        """Calibrated slowdown of compute while a collective runs (1.0 without a compute section)."""
-        return self.compute.compute_slowdown_during_collective if self.compute else 1.0
+        """Slowdown of compute while a collective runs: calibrated where the profile has a compute
+        section, else the device's published figure (1.0 without one)."""
+        return (
+            self.compute.compute_slowdown_during_collective if self.compute else self.device.overlap_slowdown
+        )

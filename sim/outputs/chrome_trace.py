@@ -47,6 +47,7 @@ STREAM_IDS: dict[Stream, int] = {
     Stream.ALL_GATHER: 20,
     Stream.REDUCE_SCATTER: 24,
     Stream.ALL_REDUCE: 28,
+    Stream.HOST: 1,  # the issuing CPU thread
 }
 
 # Collective name c10d's record_param_comms stores for the call FSDP2 (or DDP) makes.
@@ -140,9 +141,10 @@ def op_event(rank: int, op: OpRecord, names: TraceNames) -> dict[str, Any]:
         args["bytes"] = op.bytes
         args["wait for slowest rank (us)"] = (op.start_s - op.ready_s) * US_PER_S
     gloo_collective = op.kind.is_collective and names.backend == "gloo"
+    category = "user_annotation" if gloo_collective else "cpu_op" if op.stream is Stream.HOST else "kernel"
     return {
         "ph": "X",
-        "cat": "user_annotation" if gloo_collective else "kernel",
+        "cat": category,
         "name": kernel_name(op, names),
         "pid": rank,
         "tid": STREAM_IDS[op.stream],

@@ -40,6 +40,7 @@ KIND_COLOURS: dict[OpKind, str] = {
     OpKind.ALL_GATHER: "#72B7B2",
     OpKind.REDUCE_SCATTER: "#EECA3B",
     OpKind.ALL_REDUCE: "#FF9DA6",
+    OpKind.HOST: "#79706E",
 }
 CATEGORY_COLOURS: dict[MemoryCategory, str] = {
     MemoryCategory.PARAMS: "#4C78A8",

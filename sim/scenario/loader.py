@@ -102,6 +102,8 @@ def _check(s: Scenario, where: str) -> None:
     p = s.parallel
     positive("parallel.world_size", p.world_size)
     positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb)
+    if s.cluster.device_memory_gib is not None:
+        positive("cluster.device_memory_gib", s.cluster.device_memory_gib)
     if p.forward_prefetch < 0 or p.backward_prefetch < 0:
         raise UserError(f"{where}: parallel.forward_prefetch and parallel.backward_prefetch must be >= 0")
     for name in ("param_dtype", "reduce_dtype"):

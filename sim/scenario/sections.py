@@ -67,6 +67,7 @@ class ClusterSection:
     profile: str = "h100-sxm"  # built-in profile name or path to a calibrated JSON profile
     gpus_per_node: int | None = None  # default: the profile's
     compute_scaling: bool = False  # accept a compute section measured at other dimensions, scaled
+    device_memory_gib: float | None = None  # override the profile's device memory (GiB, 2**30 bytes)
 
 
 @dataclass(frozen=True, kw_only=True)

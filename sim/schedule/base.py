@@ -31,12 +31,30 @@ class ScheduleBuilder:
         self.program = Program(initial=resident_allocs(cfg))
         self.compute_waits: list[int] = []  # ops the next compute-stream op waits for
         self.grad_labels: list[str] = []  # gradients the optimizer step consumes
+        self.host_cursor: int | None = None  # the host's last op: nothing it issues starts before
         self._counter = 0
 
     def label(self, what: str, unit: str, mb: int) -> str:
         """A buffer label unique within the program."""
         self._counter += 1
         return f"{what}:{unit}:mb{mb}:{self._counter}"
+
+    def host(self, name: str, unit: str, mb: int, duration_s: float) -> None:
+        """Host work (eager dispatch, FSDP2's hooks) on the host stream, which runs ahead of the
+        device: what the host issues after it cannot start before it ends."""
+        if duration_s > 0:
+            self.host_cursor = self.program.emit(
+                stream=Stream.HOST,
+                kind=OpKind.HOST,
+                name=name,
+                unit=unit,
+                microbatch=mb,
+                duration_s=duration_s,
+            )
+
+    def issued(self, deps: tuple[int, ...]) -> tuple[int, ...]:
+        """``deps`` and the host's position: an op cannot start before the host has issued it."""
+        return deps if self.host_cursor is None else (*deps, self.host_cursor)
 
     def compute(
         self,
@@ -51,9 +69,12 @@ class ScheduleBuilder:
         frees: tuple[str, ...] = (),
         end_allocs: tuple[Alloc, ...] = (),
         start_frees: tuple[str, ...] = (),
+        host_s: float = 0.0,
     ) -> int:
-        """An op on the compute stream; it also waits for whatever the host last waited on."""
-        deps = deps + tuple(self.compute_waits)
+        """An op on the compute stream, after ``host_s`` of host dispatch; it also waits for whatever
+        the host last waited on."""
+        self.host(f"dispatch {name}", unit, mb, host_s)
+        deps = self.issued(deps + tuple(self.compute_waits))
         self.compute_waits = []
         return self.program.emit(
             stream=Stream.COMPUTE,
@@ -109,7 +130,14 @@ class ScheduleBuilder:
         ]
         frees += [transient, *extra_frees]
         return self.compute(
-            OpKind.FORWARD, seg.name, seg.unit, mb, fig.forward_s, allocs=tuple(allocs), frees=tuple(frees)
+            OpKind.FORWARD,
+            seg.name,
+            seg.unit,
+            mb,
+            fig.forward_s,
+            allocs=tuple(allocs),
+            frees=tuple(frees),
+            host_s=fig.forward_host_s,
         )
 
     def recompute_block(self, block: int, mb: int, acts: Activations) -> None:
@@ -134,6 +162,7 @@ class ScheduleBuilder:
                     Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.forward_transient_bytes),
                 ),
                 frees=(transient,),
+                host_s=fig.forward_host_s,
             )
 
     def _on_recompute_segment(self, unit: str, mb: int) -> None:
@@ -168,6 +197,7 @@ class ScheduleBuilder:
             ),
             frees=tuple(frees),
             end_allocs=end_allocs,
+            host_s=fig.backward_host_s,
         )
 
     def optimizer_step(self) -> None:

@@ -107,7 +107,7 @@ class DdpScheduleBuilder(ScheduleBuilder):
         for b, (ready, numel) in enumerate(self.buckets):
             if ready != seg_index:
                 continue
-            deps = (after,) if self.last_all_reduce is None else (after, self.last_all_reduce)
+            deps = self.issued((after,) if self.last_all_reduce is None else (after, self.last_all_reduce))
             nbytes = numel * cfg.reduce_bytes
             cost = cfg.collective("all_reduce", nbytes, GroupKind.REPLICATE, cfg.reduce_dtype)
             self.last_all_reduce = self.program.emit(

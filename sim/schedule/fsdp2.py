@@ -105,6 +105,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         """A collective on ``stream``, after the previous collective of its group; on a backend that
         stages collectives (gloo), with a temporary as large as its input or output."""
         mb = self.mb.index
+        deps = self.issued(deps)
         if group in self.last_collective:
             deps = (*deps, self.last_collective[group])
         if self.cfg.collective_temp_buffers:
@@ -214,6 +215,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
     # -- forward ---------------------------------------------------------------------------
 
     def _pre_forward(self, unit: str) -> None:
+        self.host(f"fsdp2 pre-forward {unit}", unit, self.mb.index, self.cfg.costs.fsdp_forward_host_s)
         self._unshard(unit)
         self._wait_for_unshard(unit, forward=True)
         units = self.layout.forward_units
@@ -288,6 +290,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             return
         mb.post_backward_done.add(unit)
         cfg = self.cfg
+        self.host(f"fsdp2 post-backward {unit}", unit, mb.index, cfg.costs.fsdp_backward_host_s)
         padded = self.layout.padded[unit]
         shard = padded // self.w
         frees = list(mb.unsharded_grads.pop(unit))

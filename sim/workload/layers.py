@@ -13,9 +13,16 @@ Activation bytes follow what HF ``LlamaForCausalLM`` saves for backward in eager
 - Loss: the fp32 log-softmax (4*vocab) and the shifted int64 labels. The logits are not saved;
   they live only while the loss is computed (a training loop that keeps ``outputs.logits``
   through backward holds a*vocab more per token).
-Residual adds save nothing. Linear layers save their input, which is counted at its producer.
+Residual adds save nothing (their traffic, 3·a·h per token each, is counted with the op that
+follows them in a block: the post-attention norm and the MLP's activation). Linear layers save
+their input, which is counted at its producer.
 Forward FLOPs are 2*in*out per token for a linear; attention is 4*seq*q_dim per token, halved
 for causal masking with flash kernels; backward is twice the forward (Narayanan et al. 2021).
+
+Each op also carries what the GPU model (``sim.costs.gpu``) needs: a linear's GEMM shape
+(M tokens, N out, K in), the attention's shape, and ``host_ops``, the Python-level PyTorch calls
+its forward makes in eager mode (counted in HF ``modeling_llama.py``, ``HOST_OPS``), each of
+which costs the host one eager dispatch.
 """
 
 from dataclasses import dataclass
@@ -26,6 +33,30 @@ from sim.dtypes import INDEX_BYTES
 from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
 
 FP32_BYTES = 4
+
+# Python-level torch calls in one eager forward of each op, read from transformers'
+# modeling_llama.py: LlamaRMSNorm.forward does to(fp32), pow, mean, add(eps), rsqrt, mul, to(dtype)
+# and the weight multiply (8), plus the residual add before it (1); a Linear is one call;
+# LlamaAttention around SDPA: 3 view/transpose pairs (6), apply_rotary_pos_emb (unsqueeze x2,
+# 2 x (mul, rotate_half's 2 slices, neg and cat, mul, add) = 16), repeat_kv handled inside SDPA
+# with enable_gqa or 2 expand/reshape per tensor (4), the SDPA call (1), transpose, reshape and
+# contiguous of the output (3); the SwiGLU activation act_fn and the product (2), plus the
+# residual add after the MLP (1); the embedding lookup (1); LlamaRotaryEmbedding (expand, float,
+# matmul, transpose, cat, cos, sin, 2 muls by the scaling, 2 casts: 11); the head's logits.float()
+# and ForCausalLMLoss (pad, shift view, view x2, cross_entropy: 6).
+HOST_OPS = {"norm": 9, "linear": 1, "attention": 30, "mlp_act": 3, "embed": 1, "rotary": 11, "loss": 6}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionShape:
+    """One scaled-dot-product attention call: batch, sequence, heads and head dimension."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool = True
 
 
 class LayerKind(StrEnum):
@@ -64,6 +95,9 @@ class LayerOp:
     saved_bytes: int
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
+    gemm: tuple[int, int, int] | None = None  # (M, N, K) of a linear's forward matmul
+    attention: AttentionShape | None = None
+    host_ops: int = 0  # Python-level torch calls of the eager forward
 
     @cached_property
     def group(self) -> CalibrationGroup | None:
@@ -82,14 +116,27 @@ class Workload:
     micro_batch: int
     seq_len: int
     act_bytes: int  # activation dtype (param_dtype under FSDP2 MixedPrecisionPolicy)
-    attention_kernel: str  # "flash" or "math"
+    attention_kernel: str  # "flash", "cudnn", "efficient" (no seq^2 buffers) or "math"
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
 
 
-def _norm(name: str, params: tuple[ParamSpec, ...], h: int, w: Workload, block: int | None) -> LayerOp:
+def _residual_add_bytes(h: int, w: Workload) -> float:
+    """A residual add reads two activations and writes one."""
+    return 3.0 * w.tokens * h * w.act_bytes
+
+
+def _norm(
+    name: str,
+    params: tuple[ParamSpec, ...],
+    h: int,
+    w: Workload,
+    block: int | None,
+    *,
+    after_add: bool = False,
+) -> LayerOp:
     t, a = w.tokens, w.act_bytes
     return LayerOp(
         name=name,
@@ -98,8 +145,9 @@ def _norm(name: str, params: tuple[ParamSpec, ...], h: int, w: Workload, block: 
         block=block,
         params=params,
         flops=0.0,
-        memory_bytes=t * h * (a + FP32_BYTES) * 2.0,
+        memory_bytes=t * h * (a + FP32_BYTES) * 2.0 + (_residual_add_bytes(h, w) if after_add else 0.0),
         saved_bytes=t * (h * (FP32_BYTES + 2 * a) + FP32_BYTES),
+        host_ops=HOST_OPS["norm"],
     )
 
 
@@ -114,13 +162,15 @@ def _linear(spec: ParamSpec, w: Workload, block: int | None) -> LayerOp:
         flops=2.0 * w.tokens * in_features * out_features,
         memory_bytes=0.0,
         saved_bytes=0,
+        gemm=(w.tokens, out_features, in_features),
+        host_ops=HOST_OPS["linear"],
     )
 
 
 def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
     t, a, s = w.tokens, w.act_bytes, w.seq_len
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_dim
-    flash = w.attention_kernel == "flash"
+    flash = w.attention_kernel != "math"
     saved = t * (a * (2 * q_dim + 2 * kv_dim) + FP32_BYTES * cfg.n_heads)
     fwd_transient = bwd_transient = 0
     if flash:
@@ -141,6 +191,10 @@ def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         saved_bytes=saved,
         forward_transient_bytes=fwd_transient,
         backward_transient_bytes=bwd_transient,
+        attention=AttentionShape(
+            batch=w.micro_batch, seq_len=s, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim
+        ),
+        host_ops=HOST_OPS["attention"],
     )
 
 
@@ -153,9 +207,10 @@ def _mlp_act(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         block=i,
         params=(),
         flops=0.0,
-        memory_bytes=4.0 * t * f * a,
+        memory_bytes=4.0 * t * f * a + _residual_add_bytes(cfg.hidden, w),
         saved_bytes=4 * t * f * a,
         backward_transient_bytes=2 * t * f * a,
+        host_ops=HOST_OPS["mlp_act"],
     )
 
 
@@ -170,7 +225,7 @@ def block_ops(cfg: ModelConfig, i: int, w: Workload) -> list[LayerOp]:
         _linear(v, w, i),
         _attention(cfg, i, w),
         _linear(o, w, i),
-        _norm(f"{p}.post_attention_layernorm", (norm2,), cfg.hidden, w, i),
+        _norm(f"{p}.post_attention_layernorm", (norm2,), cfg.hidden, w, i, after_add=True),
         _linear(gate, w, i),
         _linear(up, w, i),
         _mlp_act(cfg, i, w),
@@ -201,6 +256,7 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             flops=0.0,
             memory_bytes=float(t * cfg.hidden * a),
             saved_bytes=t * INDEX_BYTES,  # the token ids
+            host_ops=HOST_OPS["embed"],
         ),
         LayerOp(
             name="model.rotary_emb",
@@ -211,6 +267,7 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             flops=0.0,
             memory_bytes=float(2 * w.seq_len * cfg.head_dim * a),
             saved_bytes=2 * w.seq_len * cfg.head_dim * a,  # cos and sin, shared by every layer
+            host_ops=HOST_OPS["rotary"],
         ),
     ]
     for i in range(cfg.n_layers):
@@ -228,6 +285,8 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             flops=head.flops,
             memory_bytes=0.0,
             saved_bytes=0,
+            gemm=head.gemm,
+            host_ops=HOST_OPS["linear"],
         )
     )
     upcast = 0 if a == FP32_BYTES else t * vocab * FP32_BYTES
@@ -245,6 +304,7 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             # the fp32 grads of the log-softmax output and of its input; the cast back to ``a`` comes
             # after the first is freed, so it never adds to the peak
             backward_transient_bytes=2 * t * vocab * FP32_BYTES,
+            host_ops=HOST_OPS["loss"],
         )
     )
     return tuple(ops)

@@ -1,0 +1,160 @@
+"""The GPU kernel model: forward and backward time of one layer op from its shapes and the
+device's published kernel-level figures (``sim.hardware.schema.DeviceSpec``). Pure functions.
+
+- **Matmuls** run at the device's maximum achievable matmul rate for the dtype (``matmul_flops``,
+  ml-engineering's MAMF), lowered by wave quantization: the output is cut into 256×128 tiles
+  (cuBLAS's largest CTA tile, NVIDIA "Matrix Multiplication Background User's Guide", §Wave
+  quantization) and a partial last wave of tiles over the SMs costs a full wave; a dimension that
+  is not a multiple of 8 elements misses the tensor cores' fast path, measured at 272.7 against
+  398.4 TFLOPS for an MLP with ffn 10922 against 10944 on H100 (ml-engineering
+  ``training/performance/README.md``, SwiGLU); and a matmul too small to be compute-bound moves
+  its operands at the streaming bandwidth (roofline). The backward runs two matmuls of the same
+  size (the input's and the weight's gradients).
+- **Attention** with a fused kernel runs at the published forward+backward throughput of that
+  kernel for its head dimension and causality, interpolated in log sequence length (FlashAttention
+  benchmarks' FLOP count: forward 4·b·s²·h·d, halved when causal, backward 2.5 × forward). A part
+  without a published curve borrows the nearest architecture's curve scaled by the ratio of the two
+  parts' achievable matmul rates (an assumption, named in the README). The math path is two
+  batched matmuls and a softmax over the s² scores.
+- **Memory-bound work** (norms, activations, rotary, residual adds, casts, the loss) moves its
+  bytes at the achievable streaming bandwidth; its backward moves twice as many.
+- Every kernel takes at least ``kernel_launch_s`` on the device (back-to-back launch floor).
+
+Host-side costs (eager dispatch per op, FSDP2's hooks) are the schedule's, on the host stream.
+A device without these figures (a CPU, a version-2 profile) uses ``sim.costs.compute.Roofline``.
+"""
+
+import math
+from dataclasses import dataclass
+
+from sim.dtypes import dtype_bytes
+from sim.hardware.schema import AttentionCurve, DeviceSpec
+from sim.workload.layers import AttentionShape, LayerKind, LayerOp
+
+TILE_M, TILE_N = 256, 128  # cuBLAS's largest CTA tile (NVIDIA Matrix Multiplication Background guide)
+ALIGN_ELEMENTS = 8  # tensor cores want every dimension a multiple of 8 fp16/bf16 elements
+UNALIGNED_FACTOR = 272.7 / 398.4  # ml-engineering: H100, ffn 10922 against 10944 at hidden 4096
+FA_BACKWARD_OVER_FORWARD = 2.5  # FlashAttention benchmarks' FLOP convention
+# a part without a published attention curve borrows one of this architecture family
+NEAREST_ATTENTION_ARCH = {"sm80": "sm80", "sm86": "sm80", "sm89": "sm80", "sm90": "sm90", "sm100": "sm90"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuKernelModel:
+    """The device figures one scenario's kernels run at (compute dtype fixed)."""
+
+    matmul_flops: float
+    hbm_Bps: float
+    sm_count: int | None
+    kernel_launch_s: float
+    act_bytes: int
+    attention_curves: tuple[AttentionCurve, ...]
+    attention_scale: float = 1.0  # borrowed curves: this part's matmul rate over the lender's
+
+    # -- matmuls ---------------------------------------------------------------------------
+
+    def wave_efficiency(self, m: int, n: int) -> float:
+        """Useful fraction of the SM-waves a matmul's output tiles take."""
+        if not self.sm_count:
+            return 1.0
+        tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N)
+        waves = math.ceil(tiles / self.sm_count)
+        return tiles / (waves * self.sm_count)
+
+    def gemm_s(self, m: int, n: int, k: int) -> float:
+        """One (m×k)·(k×n) matmul in the compute dtype."""
+        rate = self.matmul_flops * self.wave_efficiency(m, n)
+        if any(d % ALIGN_ELEMENTS for d in (m, n, k)):
+            rate *= UNALIGNED_FACTOR
+        compute_s = 2.0 * m * n * k / rate
+        memory_s = (m * k + k * n + m * n) * self.act_bytes / self.hbm_Bps
+        return max(compute_s, memory_s, self.kernel_launch_s)
+
+    # -- attention -------------------------------------------------------------------------
+
+    def _curve(self, shape: AttentionShape, kernel: str) -> AttentionCurve | None:
+        fits = [c for c in self.attention_curves if c.kernel == kernel and c.causal == shape.causal]
+        if not fits:
+            return None
+        return min(fits, key=lambda c: (abs(c.head_dim - shape.head_dim), c.head_dim))
+
+    def attention_rate(self, shape: AttentionShape, kernel: str) -> float | None:
+        """FLOP/s of the fused kernel at this sequence length (log-log interpolation, clamped)."""
+        curve = self._curve(shape, kernel)
+        if curve is None:
+            return None
+        xs = [math.log(s) for s in curve.seq_lens]
+        ys = [math.log(f) for f in curve.fwd_bwd_flops]
+        x = min(max(math.log(shape.seq_len), xs[0]), xs[-1])
+        i = max(0, min(len(xs) - 2, next((j for j in range(len(xs) - 1) if x <= xs[j + 1]), len(xs) - 2)))
+        frac = 0.0 if xs[i + 1] == xs[i] else (x - xs[i]) / (xs[i + 1] - xs[i])
+        return math.exp(ys[i] + frac * (ys[i + 1] - ys[i])) * self.attention_scale
+
+    def attention_s(self, shape: AttentionShape, kernel: str) -> tuple[float, float]:
+        """(forward, backward) seconds of one attention call."""
+        fwd_flops = 4.0 * shape.batch * shape.seq_len**2 * shape.heads * shape.head_dim
+        if shape.causal:
+            fwd_flops /= 2
+        rate = self.attention_rate(shape, kernel) if kernel != "math" else None
+        if rate is not None:
+            return fwd_flops / rate, FA_BACKWARD_OVER_FORWARD * fwd_flops / rate
+        # the math path: QKᵀ and AV as batched matmuls, softmax over the fp32 scores
+        b, s, d = shape.batch * shape.heads, shape.seq_len, shape.head_dim
+        matmuls = b * (self.gemm_s(s, s, d) + self.gemm_s(s, d, s))
+        softmax = self.memory_s(b * s * s * (4 + 4 + self.act_bytes))
+        return matmuls + softmax, 2 * matmuls + 2 * softmax
+
+    # -- memory-bound work -----------------------------------------------------------------
+
+    def memory_s(self, nbytes: float) -> float:
+        return max(nbytes / self.hbm_Bps, self.kernel_launch_s) if nbytes > 0 else 0.0
+
+    # -- one layer op ----------------------------------------------------------------------
+
+    def op_s(self, op: LayerOp, attention_kernel: str) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer op."""
+        if op.gemm is not None:
+            m, n, k = op.gemm
+            fwd = self.gemm_s(m, n, k)
+            return fwd, self.gemm_s(m, k, n) + self.gemm_s(n, k, m)
+        elementwise = self.memory_s(op.memory_bytes)
+        if op.kind is LayerKind.ATTENTION and op.attention is not None:
+            fwd, bwd = self.attention_s(op.attention, attention_kernel)
+            return fwd + elementwise, bwd + 2 * elementwise
+        return elementwise, 2 * elementwise
+
+
+def has_gpu_figures(device: DeviceSpec, dtype: str) -> bool:
+    """Whether the device carries the GPU model's inputs for this compute dtype."""
+    return dtype in device.matmul_flops and device.achievable_hbm_bandwidth_Bps is not None
+
+
+def borrowed_attention(
+    device: DeviceSpec, lenders: dict[str, DeviceSpec], dtype: str
+) -> tuple[tuple[AttentionCurve, ...], float]:
+    """The device's own attention curves, else those of the nearest architecture's part that has
+    them, with the ratio of achievable matmul rates to scale them by."""
+    if device.attention:
+        return device.attention, 1.0
+    arch = NEAREST_ATTENTION_ARCH.get(device.architecture)
+    for lender in lenders.values():
+        if arch and lender.architecture == arch and lender.attention and dtype in lender.matmul_flops:
+            return lender.attention, device.matmul_flops[dtype] / lender.matmul_flops[dtype]
+    return (), 1.0
+
+
+def kernel_model(
+    device: DeviceSpec, dtype: str, lenders: dict[str, DeviceSpec] | None = None
+) -> GpuKernelModel:
+    """The kernel model of ``device`` for ``dtype`` work (``has_gpu_figures`` must hold)."""
+    curves, scale = borrowed_attention(device, lenders or {}, dtype)
+    assert device.achievable_hbm_bandwidth_Bps is not None
+    return GpuKernelModel(
+        matmul_flops=device.matmul_flops[dtype],
+        hbm_Bps=device.achievable_hbm_bandwidth_Bps,
+        sm_count=device.sm_count,
+        kernel_launch_s=device.kernel_launch_s,
+        act_bytes=dtype_bytes(dtype),
+        attention_curves=curves,
+        attention_scale=scale,
+    )
