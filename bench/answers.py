@@ -35,7 +35,7 @@ from sim.simulate import SimResult, simulate
 from sim.study.sweep.execute import run_points
 from sim.study.sweep.plan import make_plan, make_rows
 from sim.study.tune.fix import cheapest
-from sim.study.tune.search import Evaluated, Status
+from sim.study.tune.search import SearchResult, Status
 from sim.study.tune.space import Candidate
 from sim.study.tune.tuner import tune
 from sim.workload.layers import LayerOp
@@ -62,6 +62,7 @@ class ProseOutdated(RuntimeError):
 
 
 def claim(holds: bool, sentence: str) -> None:
+    """Stop when the README sentence ``sentence`` (or the part of it quoted) is false."""
     if not holds:
         raise ProseOutdated(
             f"no longer true with the current figures, rewrite it in bench/answers.py: {sentence!r}"
@@ -118,21 +119,29 @@ def n(x: float) -> str:
     return f"{x:,.0f}"
 
 
-def peak_cell(r: StepReport, sep: str = " ", model_state: bool = False) -> str:
+def peak_cell(r: StepReport, model_state: bool = False) -> str:
+    """``58.99 GiB``; ``161.68 GiB (does not fit)``; with ``model_state``:
+    ``164.27 GiB: does not fit (131.42 GiB model state)``."""
     if r.fits:
         return gib(r.peak_memory_bytes)
-    extra = f" ({gib(r.model_state.total)} model state)" if model_state else ""
-    if sep == ":":
-        return f"{gib(r.peak_memory_bytes)}: does not fit{extra}"
-    return f"{gib(r.peak_memory_bytes)} (does not fit){extra}"
+    if model_state:
+        return f"{gib(r.peak_memory_bytes)}: does not fit ({gib(r.model_state.total)} model state)"
+    return f"{gib(r.peak_memory_bytes)} (does not fit)"
 
 
 _MARKDOWN_AT_LINE_START = re.compile(r"^([-+*]|\d+[.)])(\s|$)|^[#>|]")
+_GLUE = "\x00"  # a space the wrapping must not break at
+_NUMBER_UNIT = re.compile(r"(?<=\d) (?=(ms|GiB|GB/s|GB|B/param|B|%)(?![\w/]))")
+_CODE = re.compile(r"`[^`]*`")
 
 
 def para(text: str) -> str:
-    """One paragraph wrapped at the README's width (no line may start like a list or a heading)."""
-    lines = textwrap.wrap(" ".join(text.split()), WIDTH, break_long_words=False, break_on_hyphens=False)
+    """One paragraph wrapped at the README's width, never inside a code span or between a number
+    and its unit (a wrapped line must not start like a list item or a heading)."""
+    text = " ".join(text.split())
+    text = _CODE.sub(lambda m: m.group().replace(" ", _GLUE), _NUMBER_UNIT.sub(_GLUE, text))
+    lines = textwrap.wrap(text, WIDTH, break_long_words=False, break_on_hyphens=False)
+    lines = [line.replace(_GLUE, " ") for line in lines]
     for line in lines[1:]:
         if _MARKDOWN_AT_LINE_START.match(line):
             raise ValueError(f"a wrapped line would start a markdown block: {line!r}")
@@ -211,9 +220,8 @@ def seed_checkpointing() -> str:
     s, r, r16 = scenario(SEED_CKPT), report(SEED_CKPT), report(SEED_CKPT, "training.micro_batch=16")
     m, t_ = s.model, s.training
     tokens = t_.micro_batch * t_.seq_len
-    act = result(SEED_CKPT).step.block_input_bytes
-    blocks = m.n_layers * act
-    claim(blocks == m.n_layers * tokens * m.hidden * 2, "block inputs = layers × mb × seq × hidden × 2 B")
+    claim(s.param_dtype == "bf16", "block inputs: ... × 2 B (bf16)")
+    blocks = m.n_layers * tokens * m.hidden * 2  # the checkpointed input of every decoder block
     log_softmax, grads = tokens * m.vocab * 4, 2 * tokens * m.vocab * 4
     loss, norm = layer_op(SEED_CKPT, "loss"), layer_op(SEED_CKPT, "model.norm")
     claim(abs(loss.saved_bytes / log_softmax - 1) < 1e-3, "the fp32 log-softmax the cross-entropy saves")
@@ -267,7 +275,14 @@ def node_strategies() -> str:
         f"**Llama-2-7B on {s.parallel.world_size}×H100** (`{NODE_7B}`, micro-batch "
         f"{s.training.micro_batch}, seq {s.training.seq_len}):"
     )
-    header = ("strategy", "step", "tokens/s per GPU", "relative", "peak memory", "seed (throughput / memory)")
+    header = (
+        "strategy",
+        "step",
+        "tokens/s per GPU",
+        "relative",
+        "peak memory",
+        "seed (throughput / memory, the seeds' GB)",
+    )
     return head + "\n\n" + table(header, rows) + "\n\n" + node_prose()
 
 
@@ -431,7 +446,7 @@ def scale_out() -> str:
                 n(r.tokens_per_s_per_gpu),
                 t(r.step_time_s, 0),
                 t(r.breakdown.exposed_comm_s, 0),
-                peak_cell(r, ":", model_state=True),
+                peak_cell(r, model_state=True),
             )
         )
     head = para(
@@ -450,8 +465,13 @@ def scale_out_prose() -> str:
     best, best_s = min(((r, s) for r, s in at_scale if r.fits), key=lambda rs: rs[0].step_time_s)
     claim(abs(flat) < 0.05, "FULL_SHARD keeps its per-GPU throughput nearly flat")
     claim(fs.breakdown.exposed_comm_s > 0.1 * fs.step_time_s, "but is bound by inter-node all-gathers")
-    claim(node.step_time_s < fs.step_time_s and not node.fits, "sharding within a node is faster but does not fit")
-    claim(best_s.parallel.strategy is Strategy.HYBRID_SHARD, "the fastest that fits is shard ... (HYBRID_SHARD)")
+    claim(
+        node.step_time_s < fs.step_time_s and not node.fits,
+        "sharding within a node is faster but does not fit",
+    )
+    claim(
+        best_s.parallel.strategy is Strategy.HYBRID_SHARD, "the fastest that fits is shard ... (HYBRID_SHARD)"
+    )
     g = best_s.shard_group_size
     gain = best.tokens_per_s_per_gpu / fs.tokens_per_s_per_gpu - 1
     return para(
@@ -545,13 +565,14 @@ def _describe(c: Candidate, brief: bool = False) -> str:
     return ", ".join(parts)
 
 
-def _counts(evaluated: Sequence[Evaluated], result_count: Callable[[Status], int]) -> str:
+def _counts(searched: SearchResult) -> str:
+    """``76 configurations (4 pruned by memory, 44 by the step-time bound, 28 simulated)``."""
     text = (
-        f"{len(evaluated)} configurations ({result_count(Status.PRUNED_MEMORY)} pruned by memory, "
-        f"{result_count(Status.PRUNED_TIME)} by the step-time bound, "
-        f"{result_count(Status.SIMULATED)} simulated"
+        f"{len(searched.evaluated)} configurations ({searched.count(Status.PRUNED_MEMORY)} pruned by "
+        f"memory, {searched.count(Status.PRUNED_TIME)} by the step-time bound, "
+        f"{searched.count(Status.SIMULATED)} simulated"
     )
-    invalid = result_count(Status.INVALID)
+    invalid = searched.count(Status.INVALID)
     return text + (f", {invalid} invalid)" if invalid else ")")
 
 
@@ -563,16 +584,19 @@ def tune_example() -> str:
     claim(gain > 0, "#1 ... faster than the file's configuration")
     sets = ("parallel.world_size=8",)
     none = tune(str(ROOT / SCALEOUT), sets)
-    result = none.result
-    claim(not result.top, "nothing fits")
-    claim(result.count(Status.PRUNED_MEMORY) == len(result.evaluated), "(every configuration pruned by memory)")
+    searched = none.result
+    claim(not searched.top, "nothing fits")
+    claim(
+        searched.count(Status.PRUNED_MEMORY) == len(searched.evaluated),
+        "(every configuration pruned by memory)",
+    )
     fix = cheapest(none.changes)
     claim(fix is not None and fix.best is not None, "the cheapest fix is ...")
     assert fix is not None and fix.best is not None
     b = base.candidate
     what = re.sub(r"^(\d+)x ", r"\1× ", fix.change.what)  # "4x the ranks (32)" -> "4× the ranks (32)"
     return para(
-        f"""Examples: `fsdpsim tune {NODE_7B}` looks at {_counts(fits.result.evaluated, fits.result.count)};
+        f"""Examples: `fsdpsim tune {NODE_7B}` looks at {_counts(fits.result)};
         #1 is {_describe(first.candidate)}: {t(first.step_time_s)}, {pct(gain)} faster than the
         file's {b.strategy.value}/{b.wrap.value}, peak {gib(first.peak_bytes)} against a
         {gib(fits.limit_bytes)} limit. `fsdpsim tune {SCALEOUT} --set {sets[0]}`: nothing fits
@@ -584,13 +608,17 @@ def tune_example() -> str:
 # ---- the README ----
 
 
+BLOCKS: dict[str, Callable[[], str]] = {
+    "answers": scenarios_section,  # README "## Scenarios and their answers"
+    "answers:sweep": sweep_example,  # README "fsdpsim sweep": the scenarios/sweep-7b-strategies.toml example
+    "answers:tune": tune_example,  # README "fsdpsim tune": the examples
+}
+"""Each README marker name and the function that writes the text between its markers."""
+
+
 def generate() -> dict[str, str]:
     """The text between each pair of README markers, by marker name."""
-    return {
-        "answers": scenarios_section(),
-        "answers:sweep": sweep_example(),
-        "answers:tune": tune_example(),
-    }
+    return {name: block() for name, block in BLOCKS.items()}
 
 
 def _span(text: str, name: str) -> tuple[int, int]:
@@ -616,7 +644,9 @@ def splice(text: str, blocks: dict[str, str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.answers", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the text between the markers in README.md")
+    parser.add_argument(
+        "--write", action="store_true", help="rewrite the text between the markers in README.md"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     blocks = generate()

@@ -20,8 +20,9 @@ from sim.scenario.sections import Scenario
 from sim.schedule.ddp import build_ddp_program
 from sim.schedule.fsdp2 import build_fsdp2_program
 from sim.schedule.step import StepConfig
+from sim.workload.checkpointing import checkpoint_plan
 from sim.workload.layers import LayerOp, Workload, layer_ops, model_buffer_bytes
-from sim.workload.options import CheckpointMode, Strategy
+from sim.workload.options import Strategy
 from sim.workload.units import build_segments, build_units
 
 MASTER_DTYPE = "fp32"  # FSDP2 keeps sharded parameters, gradients and optimizer states in fp32
@@ -86,7 +87,9 @@ def build_step(
         reshard_after_forward=scenario.reshard_after_forward,
         forward_prefetch=parallel.forward_prefetch,
         backward_prefetch=parallel.backward_prefetch,
-        checkpointing=scenario.checkpointing.mode is CheckpointMode.FULL,
+        checkpoint=checkpoint_plan(
+            scenario.checkpointing.mode, scenario.checkpointing.selective, model.n_layers
+        ),
         grad_accum=training.grad_accum,
         optimizer=scenario.optimizer.name,
         master_bytes=dtype_bytes(MASTER_DTYPE),

@@ -14,8 +14,9 @@ from torch import nn
 from calibrate.hf_llama import llama_config
 from calibrate.sweep import TORCH_DTYPES
 from sim.scenario.sections import Scenario
+from sim.workload.checkpointing import CheckpointPlan, checkpoint_plan
 from sim.workload.model import ModelConfig
-from sim.workload.options import CheckpointMode, Strategy, WrapPolicy
+from sim.workload.options import Strategy, WrapPolicy
 from sim.workload.units import unit_prefixes
 
 
@@ -33,19 +34,61 @@ class Wrapped:
     is_fsdp: bool
 
 
-def apply_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing of every decoder block (before sharding, as torchtitan)."""
+def sac_save_list() -> set[Any]:
+    """torchtitan's op-level SAC save list (``_save_list``, llama3 ``parallelize.py``), with the CPU
+    flash-attention op beside the CUDA ones so the same policy runs here."""
+    ops = torch.ops.aten
+    return {
+        ops.mm.default,
+        ops._scaled_dot_product_efficient_attention.default,
+        ops._scaled_dot_product_flash_attention.default,
+        ops._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        ops.max.default,
+    }
+
+
+def _op_sac_context() -> Any:
+    """A fresh selective-checkpoint context per region: save every listed op's output but every
+    second mm's (counted separately in forward and recompute), recompute the rest."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = sac_save_list()
+    meta: defaultdict[str, int] = defaultdict(int)
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
+        if func == torch.ops.aten.mm.default:
+            meta[key] += 1
+        keep = func in save and not (func == torch.ops.aten.mm.default and meta[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_checkpointing(model: nn.Module, plan: CheckpointPlan) -> None:
+    """Non-reentrant activation checkpointing of the plan's decoder blocks, before sharding, as
+    torchtitan applies it (full regions, or regions under its op-level policy)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     inner: Any = model.model
     layers = inner.layers
     for i, layer in enumerate(layers):
-        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+        if not plan.covers(i):
+            continue
+        if plan.selective_op:
+            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False, context_fn=_op_sac_context)
+        else:
+            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
 def wrap(model: nn.Module, scenario: Scenario, mesh: Any) -> Wrapped:
-    if scenario.checkpointing.mode is CheckpointMode.FULL:
-        apply_checkpointing(model)
+    c = scenario.checkpointing
+    plan = checkpoint_plan(c.mode, c.selective, scenario.model.n_layers)
+    if plan.active:
+        apply_checkpointing(model, plan)
     if scenario.parallel.strategy is Strategy.NO_SHARD:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -153,7 +153,7 @@ def compare(
 
 
 def _fmt(value: float, unit: str) -> str:
-    return f"{value * 1e3:,.2f} ms" if unit == "s" else f"{value / 1e6:,.3f} MB"
+    return f"{value * 1e3:,.2f} ms" if unit == "s" else f"{value / 2**30:,.3f} GiB"
 
 
 def format_markdown(title: str, comparison: Comparison) -> str:

@@ -28,6 +28,7 @@ MATRIX: list[tuple[str, list[str]]] = [
     ("5m NO_SHARD (DDP) fp32", ["parallel.strategy=NO_SHARD"]),
     ("5m FULL_SHARD model fp32", ["parallel.wrap=model"]),
     ("5m FULL_SHARD block fp32 checkpointing", ["checkpointing.mode=full"]),
+    ("5m FULL_SHARD block fp32 selective op checkpointing", ["checkpointing.mode=selective"]),
     ("5m FULL_SHARD block fp32 forward prefetch 1", ["parallel.forward_prefetch=1"]),
     ("5m FULL_SHARD block bf16", ["precision.param_dtype=bf16"]),
     # a 2-D (replicate 2, shard 1) mesh: FSDP2 skips the one-rank collectives and all-reduces
@@ -48,6 +49,11 @@ MEMORY_MATRIX: list[tuple[str, list[str]]] = [
     ("Llama-2-7B, 8 ranks, fp32", _FP32),
     ("Llama-2-7B, 8 ranks, bf16", _BF16),
     ("Llama-2-7B, 8 ranks, bf16, checkpointing", [*_BF16, "checkpointing.mode=full"]),
+    ("Llama-2-7B, 8 ranks, bf16, selective op checkpointing", [*_BF16, "checkpointing.mode=selective"]),
+    (
+        "Llama-2-7B, 8 ranks, bf16, every 2nd block checkpointed",
+        [*_BF16, "checkpointing.mode=selective", "checkpointing.selective=2"],
+    ),
     (
         "Llama-2-7B, 8 ranks, bf16, reshard_after_forward=False",
         [*_BF16, "parallel.reshard_after_forward=false"],
@@ -55,6 +61,7 @@ MEMORY_MATRIX: list[tuple[str, list[str]]] = [
     ("Llama-3-70B, 64 ranks, bf16", [*_70B, *_BF16]),
     ("Llama-3-70B, 64 ranks, fp32", [*_70B, *_FP32]),
     ("Llama-3-70B, 64 ranks, bf16, checkpointing", [*_70B, *_BF16, "checkpointing.mode=full"]),
+    ("Llama-3-70B, 64 ranks, bf16, selective op checkpointing", [*_70B, *_BF16, "checkpointing.mode=selective"]),
     (
         "Llama-3-70B, 64 ranks, bf16, reshard_after_forward=False",
         [*_70B, *_BF16, "parallel.reshard_after_forward=false"],

@@ -33,6 +33,8 @@ OPTIMIZER_BYTES_PER_ELEMENT = {OptimizerName.ADAMW: 28, OptimizerName.SGD: 20, O
 class KernelModel(Protocol):
     def op_s(self, op: LayerOp, attention_kernel: str) -> tuple[float, float]: ...
 
+    def sac_recompute_s(self, op: LayerOp, attention_kernel: str) -> float: ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class Roofline:
@@ -45,6 +47,14 @@ class Roofline:
     def op_s(self, op: LayerOp, attention_kernel: str) -> tuple[float, float]:
         fwd = op.flops / self.flops_per_s + op.memory_bytes / self.hbm_Bps
         return fwd, 2.0 * fwd
+
+    def sac_recompute_s(self, op: LayerOp, attention_kernel: str) -> float:
+        """Op-level selective checkpointing recomputes what it does not keep (see ``GpuKernelModel``)."""
+        if op.sac_kept_bytes and op.gemm is not None:
+            return 0.0
+        if op.sac_kept_bytes:
+            return op.memory_bytes / self.hbm_Bps
+        return self.op_s(op, attention_kernel)[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +82,9 @@ class SegmentFigures:
     # the host's eager dispatch of the segment's ops (zero where the host is the device or unmodelled)
     forward_host_s: float = 0.0
     backward_host_s: float = 0.0
+    # op-level selective checkpointing: the outputs it keeps, and what it recomputes
+    sac_kept_bytes: int = 0
+    sac_recompute_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +137,11 @@ class ComputeCosts:
             saved_bytes=round(sum(op.saved_bytes * self._scale(op, "saved") for op in seg.ops)),
             forward_transient_bytes=largest("forward_transient"),
             backward_transient_bytes=largest("backward_transient"),
+            sac_kept_bytes=sum(op.sac_kept_bytes for op in seg.ops),
+            sac_recompute_s=sum(
+                self.kernels.sac_recompute_s(op, self.attention_kernel) * self._scale(op, "recompute")
+                for op in seg.ops
+            ),
             forward_host_s=sum(op.host_ops for op in seg.ops) * self.host_op_s,
             backward_host_s=2 * sum(op.host_ops for op in seg.ops) * self.host_op_s,
         )

@@ -111,6 +111,15 @@ class GpuKernelModel:
 
     # -- one layer op ----------------------------------------------------------------------
 
+    def sac_recompute_s(self, op: LayerOp, attention_kernel: str) -> float:
+        """What op-level selective checkpointing runs again of ``op``: nothing of a kept matmul, the
+        elementwise work around a kept attention kernel, all of anything else."""
+        if op.sac_kept_bytes and op.gemm is not None:
+            return 0.0
+        if op.sac_kept_bytes:
+            return self.memory_s(op.memory_bytes)
+        return self.op_s(op, attention_kernel)[0]
+
     def op_s(self, op: LayerOp, attention_kernel: str) -> tuple[float, float]:
         """(forward, backward) seconds of one layer op."""
         if op.gemm is not None:

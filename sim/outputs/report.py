@@ -17,7 +17,6 @@ from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, mod
 from sim.simulate import SimResult
 from sim.workload.flops import model_flops_per_token, recompute_flops_per_token
 from sim.workload.model import n_params
-from sim.workload.options import CheckpointMode
 
 COLLECTIVE_KINDS = (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)
 
@@ -168,9 +167,8 @@ def flops_utilisation(result: SimResult, step_s: float) -> tuple[float, float]:
     model, seq = s.model, s.training.seq_len
     tokens = s.tokens_processed_per_rank
     peak = result.profile.device.peak_flops[s.param_dtype]
-    blocks = model.n_layers if s.checkpointing.mode is CheckpointMode.FULL else 0
     model_flops = model_flops_per_token(model, seq) * tokens
-    hardware_flops = model_flops + recompute_flops_per_token(model, seq, blocks) * tokens
+    hardware_flops = model_flops + recompute_flops_per_token(model, seq, result.step.checkpoint) * tokens
     return model_flops / (step_s * peak), hardware_flops / (step_s * peak)
 
 

@@ -36,7 +36,12 @@ def _coerce(value: Any, tp: Any, name: str, where: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         if value is None and type(None) in args:
             return None
-        return _coerce(value, inner[0], name, where)
+        for option in inner[:-1]:  # the first type that takes the value; the last names the error
+            try:
+                return _coerce(value, option, name, where)
+            except UserError:
+                pass
+        return _coerce(value, inner[-1], name, where)
     if isinstance(tp, type) and issubclass(tp, StrEnum):
         allowed = [m.value for m in tp]
         matches = [m for m in tp if isinstance(value, str) and m.value.lower() == value.lower()]
@@ -102,6 +107,7 @@ def _check(s: Scenario, where: str) -> None:
     p = s.parallel
     positive("parallel.world_size", p.world_size)
     positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb)
+    _check_selective(s, where)
     if s.cluster.device_memory_gib is not None:
         positive("cluster.device_memory_gib", s.cluster.device_memory_gib)
     if p.forward_prefetch < 0 or p.backward_prefetch < 0:
@@ -130,6 +136,15 @@ def _check(s: Scenario, where: str) -> None:
     if sim.slow_rank is not None and not 0 <= sim.slow_rank < p.world_size:
         raise UserError(
             f"{where}: simulation.slow_rank must be in [0, {p.world_size - 1}], got {sim.slow_rank}"
+        )
+
+
+def _check_selective(s: Scenario, where: str) -> None:
+    value = s.checkpointing.selective
+    if value != "op" and not (isinstance(value, int) and value >= 1):
+        raise UserError(
+            f'{where}: checkpointing.selective = {value!r} is not allowed; allowed: "op" or a positive integer N '
+            "(checkpoint every N-th block)"
         )
 
 

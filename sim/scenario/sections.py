@@ -60,6 +60,9 @@ class OptimizerSection:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointingSection:
     mode: CheckpointMode = CheckpointMode.NONE
+    # with mode "selective": "op" (torchtitan's op-level policy: keep the outputs of the matmuls but
+    # every second one, and of attention; recompute the rest) or N (checkpoint every N-th block)
+    selective: str | int = "op"
 
 
 @dataclass(frozen=True, kw_only=True)

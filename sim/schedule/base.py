@@ -23,6 +23,7 @@ class Activations:
 
     saved: dict[int, str] = field(default_factory=dict)
     block_inputs: dict[int, str] = field(default_factory=dict)
+    kept: dict[int, str] = field(default_factory=dict)  # segment -> outputs op-level SAC keeps
 
 
 class ScheduleBuilder:
@@ -91,7 +92,7 @@ class ScheduleBuilder:
         )
 
     def checkpointed(self, i: int) -> bool:
-        return self.cfg.checkpointing and self.cfg.segments[i].block is not None
+        return self.cfg.checkpoint.covers(self.cfg.segments[i].block)
 
     def first_of_block(self, i: int) -> bool:
         segs = self.cfg.segments
@@ -121,6 +122,11 @@ class ScheduleBuilder:
         allocs.append(Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_bytes))
         if self.checkpointed(i):
             frees.append(saved)
+            if cfg.checkpoint.selective_op and fig.sac_kept_bytes:
+                acts.kept[i] = self.label("sac_kept", seg.unit, mb)
+                allocs.append(
+                    Alloc(label=acts.kept[i], category=MemoryCategory.ACTIVATIONS, bytes=fig.sac_kept_bytes)
+                )
         else:
             acts.saved[i] = saved
         transient = self.label("forward_temp", seg.unit, mb)
@@ -142,12 +148,14 @@ class ScheduleBuilder:
 
     def recompute_block(self, block: int, mb: int, acts: Activations) -> None:
         """Checkpointing's second forward of ``block``, just before its backward: every segment's
-        activations are saved again and its transient held while it runs."""
+        activations are saved again (less what op-level SAC kept) and its transient held while it runs."""
+        selective = self.cfg.checkpoint.selective_op
         for i, seg in enumerate(self.cfg.segments):
             if seg.block != block:
                 continue
             self._on_recompute_segment(seg.unit, mb)
             fig = self.cfg.figures[i]
+            recomputed_bytes = max(0, fig.saved_bytes - fig.sac_kept_bytes) if selective else fig.saved_bytes
             saved = self.label("recomputed_activations", seg.unit, mb)
             transient = self.label("recompute_temp", seg.unit, mb)
             acts.saved[i] = saved
@@ -156,9 +164,9 @@ class ScheduleBuilder:
                 seg.name,
                 seg.unit,
                 mb,
-                fig.recompute_s,
+                fig.sac_recompute_s if selective else fig.recompute_s,
                 allocs=(
-                    Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_bytes),
+                    Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=recomputed_bytes),
                     Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.forward_transient_bytes),
                 ),
                 frees=(transient,),
@@ -184,6 +192,8 @@ class ScheduleBuilder:
         seg, fig = self.cfg.segments[i], self.cfg.figures[i]
         transient = self.label("backward_temp", seg.unit, mb)
         frees = [transient, acts.saved.pop(i), *extra_frees]
+        if i in acts.kept:
+            frees.append(acts.kept.pop(i))
         if seg.block is not None and seg.block in acts.block_inputs and self.first_of_block(i):
             frees.append(acts.block_inputs.pop(seg.block))
         return self.compute(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from sim.core.topology import GroupKind
 from sim.costs.collectives import CollectiveCost
 from sim.costs.compute import ComputeCosts, SegmentFigures
+from sim.workload.checkpointing import CheckpointPlan
 from sim.workload.options import OptimizerName, Strategy
 from sim.workload.units import Segment, WrapUnit
 
@@ -24,7 +25,7 @@ class StepConfig:
     reshard_after_forward: bool
     forward_prefetch: int
     backward_prefetch: int
-    checkpointing: bool
+    checkpoint: CheckpointPlan
     grad_accum: int
     optimizer: OptimizerName
     master_bytes: int  # sharded master parameters, gradients and optimizer states (fp32)

@@ -8,10 +8,12 @@ attention heads, Q the head dimension and T the sequence length. 6·N is the for
 backward (4·N) of every weight matmul; 12·L·H·Q·T the two attention matmuls (QKᵀ and AV, 2·T·H·Q
 multiply-adds each per token) forward and backward, without discounting causal masking and
 without the flash-attention backward's recomputation. HFU adds what the hardware computes again:
-with full activation checkpointing every block's forward, 2·N_blocks + 4·L·H·Q·T per token.
+with full activation checkpointing every block's forward, 2·N_blocks + 4·L·H·Q·T per token
+(and the matmuls selective checkpointing recomputes).
 Both are divided by the dense peak of the compute dtype.
 """
 
+from sim.workload.checkpointing import CheckpointPlan
 from sim.workload.model import ModelConfig, layer_params, n_params
 
 
@@ -30,11 +32,16 @@ def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params(model) + 3.0 * attention_flops_per_token(model, seq_len)
 
 
-def recompute_flops_per_token(model: ModelConfig, seq_len: int, checkpointed_blocks: int) -> float:
+def recompute_flops_per_token(model: ModelConfig, seq_len: int, plan: CheckpointPlan) -> float:
     """The forward FLOPs activation checkpointing runs again per token: every checkpointed
-    block's weight matmuls and attention."""
-    if checkpointed_blocks == 0:
+    block's weight matmuls and attention; under op-level SAC only the matmuls it recomputes
+    (k, o and up: torchtitan keeps every other mm's output, and attention's)."""
+    if not plan.active:
         return 0.0
-    block_params = sum(p.numel for p in layer_params(model, 0))
-    per_block = 2.0 * block_params + attention_flops_per_token(model, seq_len) / model.n_layers
-    return checkpointed_blocks * per_block
+    q, k, v, o, gate, up, down, *_ = layer_params(model, 0)
+    if plan.selective_op:
+        per_block = 2.0 * (k.numel + o.numel + up.numel)
+    else:
+        block_params = sum(p.numel for p in layer_params(model, 0))
+        per_block = 2.0 * block_params + attention_flops_per_token(model, seq_len) / model.n_layers
+    return len(plan.blocks) * per_block

@@ -25,7 +25,7 @@ its forward makes in eager mode (counted in HF ``modeling_llama.py``, ``HOST_OPS
 which costs the host one eager dispatch.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import cache, cached_property
 
@@ -98,6 +98,9 @@ class LayerOp:
     gemm: tuple[int, int, int] | None = None  # (M, N, K) of a linear's forward matmul
     attention: AttentionShape | None = None
     host_ops: int = 0  # Python-level torch calls of the eager forward
+    # torchtitan's op-level selective checkpointing keeps this op's output (a matmul but every
+    # second one in its block, or the attention kernel) instead of recomputing it: its bytes
+    sac_kept_bytes: int = 0
 
     @cached_property
     def group(self) -> CalibrationGroup | None:
@@ -214,23 +217,45 @@ def _mlp_act(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
     )
 
 
+def _sac_kept(ops: list[LayerOp], w: Workload) -> list[LayerOp]:
+    """Mark what torchtitan's op-level policy keeps in one block (``_apply_ac_to_transformer_block``,
+    ``_save_list``): the output of every mm but every second one (counted from 1 in forward order:
+    q, v, gate and down are kept, k, o and up recomputed) and the attention kernel's output with its
+    fp32 log-sum-exp."""
+    kept, mm = [], 0
+    for op in ops:
+        if op.gemm is not None:
+            mm += 1
+            m, n, _ = op.gemm
+            op = replace(op, sac_kept_bytes=m * n * w.act_bytes) if mm % 2 else op
+        elif op.attention is not None:
+            a = op.attention
+            out = a.batch * a.seq_len * (a.heads * a.head_dim * w.act_bytes + a.heads * FP32_BYTES)
+            op = replace(op, sac_kept_bytes=out)
+        kept.append(op)
+    return kept
+
+
 def block_ops(cfg: ModelConfig, i: int, w: Workload) -> list[LayerOp]:
     """Decoder layer ``i`` in HF execution order."""
     q, k, v, o, gate, up, down, norm1, norm2 = layer_params(cfg, i)
     p = layer_prefix(i)
-    return [
-        _norm(f"{p}.input_layernorm", (norm1,), cfg.hidden, w, i),
-        _linear(q, w, i),
-        _linear(k, w, i),
-        _linear(v, w, i),
-        _attention(cfg, i, w),
-        _linear(o, w, i),
-        _norm(f"{p}.post_attention_layernorm", (norm2,), cfg.hidden, w, i, after_add=True),
-        _linear(gate, w, i),
-        _linear(up, w, i),
-        _mlp_act(cfg, i, w),
-        _linear(down, w, i),
-    ]
+    return _sac_kept(
+        [
+            _norm(f"{p}.input_layernorm", (norm1,), cfg.hidden, w, i),
+            _linear(q, w, i),
+            _linear(k, w, i),
+            _linear(v, w, i),
+            _attention(cfg, i, w),
+            _linear(o, w, i),
+            _norm(f"{p}.post_attention_layernorm", (norm2,), cfg.hidden, w, i, after_add=True),
+            _linear(gate, w, i),
+            _linear(up, w, i),
+            _mlp_act(cfg, i, w),
+            _linear(down, w, i),
+        ],
+        w,
+    )
 
 
 def model_buffer_bytes(cfg: ModelConfig) -> int:

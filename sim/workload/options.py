@@ -25,8 +25,12 @@ class WrapPolicy(StrEnum):
 
 
 class CheckpointMode(StrEnum):
+    """Activation checkpointing as torchtitan offers it: none, every block, or selective (an op-level
+    policy inside every block, or every N-th block: ``checkpointing.selective``)."""
+
     NONE = "none"
     FULL = "full"
+    SELECTIVE = "selective"
 
 
 class OptimizerName(StrEnum):

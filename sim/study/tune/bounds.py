@@ -20,16 +20,15 @@ from sim.workload.options import OptimizerName
 
 def activations_at_forward_end_bytes(step: StepConfig) -> int:
     """Saved activations of one micro-batch when its last forward op runs, plus that op's
-    transient: every segment's saved tensors, or with checkpointing each block's input and the
-    non-block segments' saved tensors (a checkpointed block frees its intermediates as it ends)."""
-    segs, figs = step.segments, step.figures
-    if step.checkpointing:
-        blocks = {s.block for s in segs if s.block is not None}
-        saved = len(blocks) * step.block_input_bytes + sum(
-            f.saved_bytes for s, f in zip(segs, figs, strict=True) if s.block is None
-        )
-    else:
-        saved = sum(f.saved_bytes for f in figs)
+    transient: the saved tensors of every segment outside a checkpoint region, and each region's
+    input (and, under op-level SAC, the outputs it keeps): a region frees its intermediates as it ends."""
+    segs, figs, plan = step.segments, step.figures, step.checkpoint
+    saved = len(plan.blocks) * step.block_input_bytes
+    for s, f in zip(segs, figs, strict=True):
+        if not plan.covers(s.block):
+            saved += f.saved_bytes
+        elif plan.selective_op:
+            saved += f.sac_kept_bytes
     return saved + figs[-1].forward_transient_bytes
 
 
@@ -68,8 +67,12 @@ def step_time_lower_bound_s(step: StepConfig) -> float:
     """A lower bound on the simulated step time, in seconds: the compute stream's certain work."""
     costs, segs, figs = step.costs, step.segments, step.figures
     per_mb = sum(f.forward_s + f.backward_s for f in figs)
-    if step.checkpointing:
-        per_mb += sum(f.recompute_s for s, f in zip(segs, figs, strict=True) if s.block is not None)
+    plan = step.checkpoint
+    per_mb += sum(
+        f.sac_recompute_s if plan.selective_op else f.recompute_s
+        for s, f in zip(segs, figs, strict=True)
+        if plan.covers(s.block)
+    )
     numel = numel_per_rank(step)
     if not step.sharded:
         per_mb += costs.copy_s(numel * step.master_bytes)  # the reducer's bucket copy-out
