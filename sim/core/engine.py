@@ -111,7 +111,7 @@ class Engine:
     def run(self) -> EventTable:
         for rank in self.ranks:
             for alloc in self.program.initial:
-                self._alloc(rank, alloc.label, alloc.category, alloc.bytes)
+                self._alloc(rank, alloc.label, alloc.category, alloc.bytes, Stream.COMPUTE)
             for ops in self._queues():
                 self.env.process(self._stream(rank, ops))
         self.env.run()
@@ -142,7 +142,7 @@ class Engine:
             for label in op.start_frees:
                 self._free(rank, label)
             for alloc in op.allocs:
-                self._alloc(rank, alloc.label, alloc.category, alloc.bytes)
+                self._alloc(rank, alloc.label, alloc.category, alloc.bytes, op.stream)
             duration = self.duration(rank, op)
             if op.group is not None:
                 gid, simulated_members, group_size = self._group(op.group, rank)
@@ -160,7 +160,7 @@ class Engine:
             for label in op.frees:
                 self._free(rank, label)
             for alloc in op.end_allocs:
-                self._alloc(rank, alloc.label, alloc.category, alloc.bytes)
+                self._alloc(rank, alloc.label, alloc.category, alloc.bytes, op.stream)
             self.ops.append(
                 OpRecord(
                     rank=rank,
@@ -212,7 +212,7 @@ class Engine:
             if process is not None and process.is_alive:
                 process.interrupt()  # its rate changes: it recomputes its remaining time
 
-    def _alloc(self, rank: int, label: str, category: MemoryCategory, nbytes: int) -> None:
+    def _alloc(self, rank: int, label: str, category: MemoryCategory, nbytes: int, stream: Stream) -> None:
         if label in self.live[rank]:
             raise RuntimeError(f"buffer {label!r} allocated twice on rank {rank}")
         self.live[rank][label] = (category, nbytes)

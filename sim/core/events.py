@@ -79,13 +79,15 @@ class OpRecord:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryRecord:
-    """One allocation (``delta_bytes`` > 0) or free (< 0) of a labelled buffer on one rank."""
+    """One allocation (``delta_bytes`` > 0) or free (< 0) of a labelled buffer on one rank; an
+    allocation names the stream it was made on (the caching allocator keeps a pool per stream)."""
 
     rank: int
     time_s: float
     category: MemoryCategory
     delta_bytes: int
     label: str
+    stream: Stream = Stream.COMPUTE
 
 
 class _Ranked(Protocol):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sim.core.events import EventTable, MemoryCategory, OpKind
+from sim.outputs.allocator import nccl_buffer_bytes, nccl_channels, peak_reserved_bytes
 from sim.outputs.intervals import Breakdown, rank_breakdown, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curve
 from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, model_state
@@ -88,6 +89,8 @@ class StepReport:
     model_state: ModelState
     model_state_bytes_deepspeed_convention: int
     device_memory_bytes: int
+    peak_reserved_bytes: int  # the caching allocator's reserved peak (sim.outputs.allocator)
+    device_overhead_bytes: int  # outside the allocator: CUDA context, NCCL buffers
     collectives: Mapping[OpKind, CollectiveTotals]  # rank 0
     ranks_simulated: int
     per_rank: tuple[RankFigures, ...]
@@ -103,12 +106,17 @@ class StepReport:
         return self.tokens_per_s / self.world_size
 
     @property
+    def required_bytes(self) -> int:
+        """What the device must hold at the peak: reserved by the allocator, plus what lies outside it."""
+        return self.peak_reserved_bytes + self.device_overhead_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.device_memory_bytes
+        return self.required_bytes <= self.device_memory_bytes
 
     @property
     def memory_headroom_bytes(self) -> int:
-        return self.device_memory_bytes - self.peak_memory_bytes
+        return self.device_memory_bytes - self.required_bytes
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON (seconds and bytes), with the keys the README lists."""
@@ -140,6 +148,8 @@ class StepReport:
             },
             "model_state_bytes_deepspeed_convention": self.model_state_bytes_deepspeed_convention,
             "device_memory_bytes": self.device_memory_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "device_overhead_bytes": self.device_overhead_bytes,
             "fits": self.fits,
             "memory_headroom_bytes": self.memory_headroom_bytes,
             "collectives": {k.value: t.to_json() for k, t in self.collectives.items()},
@@ -170,6 +180,26 @@ def flops_utilisation(result: SimResult, step_s: float) -> tuple[float, float]:
     model_flops = model_flops_per_token(model, seq) * tokens
     hardware_flops = model_flops + recompute_flops_per_token(model, seq, result.step.checkpoint) * tokens
     return model_flops / (step_s * peak), hardware_flops / (step_s * peak)
+
+
+def device_memory(result: SimResult, rank: int, peak_allocated_bytes: int) -> dict[str, int]:
+    """``peak_reserved_bytes`` and ``device_overhead_bytes`` of ``rank``: on a CUDA device the
+    caching allocator's replay (with the cuBLAS workspace) and the context and NCCL buffers; on a
+    host without a caching allocator (gloo, CPU), the allocated peak and nothing more."""
+    profile = result.profile
+    if profile.backend.name != "nccl":
+        return {"peak_reserved_bytes": peak_allocated_bytes, "device_overhead_bytes": 0}
+    device = profile.device
+    reserved = peak_reserved_bytes(
+        result.events,
+        rank,
+        device.memory_bytes - device.context_bytes,
+        expandable=result.scenario.cluster.expandable_segments,
+        workspace_bytes=device.cublas_workspace_bytes,
+    )
+    communicators = len({op.group for op in result.program.ops if op.group is not None})
+    nccl = nccl_buffer_bytes(communicators, nccl_channels(profile.node))
+    return {"peak_reserved_bytes": reserved, "device_overhead_bytes": device.context_bytes + nccl}
 
 
 def _rank_figures(table: EventTable, curves: dict[int, MemoryCurve], step_s: float) -> dict[int, RankFigures]:
@@ -218,6 +248,7 @@ def build_report(result: SimResult) -> StepReport:
             n, s.parallel.strategy, max(1, step.shard_size)
         ),
         device_memory_bytes=profile.device.memory_bytes,
+        **device_memory(result, worst, curves[worst].peak_bytes()),
         collectives=collective_totals(table, 0),
         ranks_simulated=len(table.simulated_ranks),
         per_rank=tuple(replace(figures[table.rank_of(rank)], rank=rank) for rank in range(k)),

@@ -15,6 +15,17 @@ def _padding_lines(r: StepReport) -> list[str]:
     ]
 
 
+def _peak_text(r: StepReport) -> str:
+    """Allocated, and on a GPU what the caching allocator reserves and what lies outside it."""
+    if r.required_bytes == r.peak_memory_bytes:
+        return gib(r.peak_memory_bytes)
+    return (
+        f"{gib(r.peak_memory_bytes)} allocated, {gib(r.peak_reserved_bytes)} reserved "
+        f"+ {gib(r.device_overhead_bytes)} context and NCCL ="
+        f" {gib(r.required_bytes)}"
+    )
+
+
 def _share(part_s: float, step_s: float) -> str:
     return f"{part_s / step_s:.0%}" if step_s > 0 else "-"
 
@@ -35,7 +46,9 @@ def format_table(r: StepReport) -> str:
         f"MFU {r.mfu:.1%} (HFU {r.hfu:.1%})",
         *_padding_lines(r),
         "",
-        f"peak memory   {gib(r.peak_memory_bytes)} of {gib(r.device_memory_bytes)} on rank {r.peak_memory_rank}: "
+        f"peak memory   {gib(r.peak_memory_bytes)} allocated, {gib(r.peak_reserved_bytes)} reserved "
+        f"+ {gib(r.device_overhead_bytes)} outside the allocator, of {gib(r.device_memory_bytes)} "
+        f"on rank {r.peak_memory_rank}: "
         + ("fits" if r.fits else f"DOES NOT FIT by {gib(-r.memory_headroom_bytes)}"),
     ]
     lines += [f"  {c.value:<12}{gib(r.memory_at_peak[c]):>14}" for c in MemoryCategory]

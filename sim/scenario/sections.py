@@ -71,6 +71,7 @@ class ClusterSection:
     gpus_per_node: int | None = None  # default: the profile's
     compute_scaling: bool = False  # accept a compute section measured at other dimensions, scaled
     device_memory_gib: float | None = None  # override the profile's device memory (GiB, 2**30 bytes)
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 
 @dataclass(frozen=True, kw_only=True)

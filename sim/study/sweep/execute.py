@@ -36,6 +36,7 @@ RESULT_KEYS = (
     "mfu",
     "peak_memory_bytes",
     "memory_headroom_bytes",
+    "peak_reserved_bytes",
     "fits",
     "device_memory_bytes",
     "strategy",

@@ -46,7 +46,7 @@ class Evaluated:
     @property
     def peak_bytes(self) -> int:
         assert self.report is not None
-        return self.report.peak_memory_bytes
+        return self.report.required_bytes
 
     def fits(self, limit_bytes: float) -> bool:
         return self.report is not None and self.peak_bytes <= limit_bytes

@@ -1,0 +1,208 @@
+"""Reserved memory: the step's allocations replayed through a model of PyTorch's CUDA caching
+allocator (``c10/cuda/CUDACachingAllocator.cpp``), and what the device holds outside it.
+
+The replay follows the allocator's rules:
+- a request is rounded up to a multiple of 512 B (``round_size``, ``kMinBlockSize``);
+- requests of at most 1 MiB come from the small pool, larger ones from the large pool, one pair
+  of pools per stream (a block freed by one stream is reused by that stream only);
+- a request takes the best-fitting free block of its pool (``get_free_block``) and splits it when
+  the rest is worth keeping (``should_split``: at least 512 B in the small pool, more than 1 MiB in
+  the large one); freed blocks merge with free neighbours of their segment;
+- failing that it reserves a new segment (``get_allocation_size``): 2 MiB for a small request,
+  20 MiB for a request under 10 MiB, else the request rounded up to 2 MiB;
+- reserving past the device's memory first releases every fully free cached segment
+  (``release_cached_blocks``), as the allocator does before raising out-of-memory.
+With ``expandable_segments`` a pool grows in pages (2 MiB small, 20 MiB large) and gives back
+nothing: the reserved bytes of a pool are its live bytes rounded up to whole pages.
+
+Outside the allocator the device holds the CUDA context (``device.context_bytes``) and NCCL's
+communicator buffers: per communicator, per channel, a send and a receive connection to each
+ring neighbour with the buffers of the three protocols (NCCL's defaults in ``src/init.cc``:
+``DEFAULT_BUFFSIZE`` 4 MiB for Simple; ``DEFAULT_LL_BUFFSIZE`` = 8 lines × 512 threads × 8 steps
+× 16 B = 512 KiB; ``DEFAULT_LL128_BUFFSIZE`` = 120 elements × 640 threads × 8 steps × 8 B =
+4,915,200 B; nccl#391).
+"""
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from sim.core.events import EventTable, MemoryCategory, MemoryRecord, Stream
+from sim.hardware.schema import NodeSpec
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+LARGE_BUFFER = 20 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+MIB = 1 << 20
+# NCCL's per-connection buffers (src/init.cc defaults): Simple 4 MiB, LL 512 KiB, LL128 4,915,200 B
+NCCL_BUFFERS_PER_CONNECTION = 4 * MIB + 8 * 512 * 8 * 16 + 120 * 640 * 8 * 8
+
+
+def round_size(nbytes: int) -> int:
+    return max(MIN_BLOCK, MIN_BLOCK * math.ceil(nbytes / MIN_BLOCK))
+
+
+def allocation_size(nbytes: int) -> int:
+    """The segment reserved for a request that no cached block fits (``get_allocation_size``)."""
+    if nbytes <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if nbytes < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * math.ceil(nbytes / ROUND_LARGE)
+
+
+@dataclass
+class _Block:
+    segment: int
+    offset: int
+    size: int
+    free: bool = True
+
+
+@dataclass
+class _Pool:
+    """One (stream, small|large) pool: free blocks sorted by size for best fit."""
+
+    free: list[tuple[int, int, int]] = field(default_factory=list)  # (size, segment, offset)
+
+    def take(self, nbytes: int) -> tuple[int, int, int] | None:
+        i = bisect.bisect_left(self.free, (nbytes, -1, -1))
+        return self.free.pop(i) if i < len(self.free) else None
+
+
+class CachingAllocator:
+    """A replay of the caching allocator's segments and blocks; sizes in bytes."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity = capacity_bytes
+        self.pools: dict[tuple[Stream, bool], _Pool] = {}
+        self.segments: dict[int, list[_Block]] = {}  # segment id -> its blocks by offset
+        self.segment_pool: dict[int, tuple[Stream, bool]] = {}
+        self.live: dict[str, _Block] = {}
+        self.reserved = 0
+        self.peak_reserved = 0
+        self._next_segment = 0
+
+    def _pool(self, key: tuple[Stream, bool]) -> _Pool:
+        return self.pools.setdefault(key, _Pool())
+
+    def malloc(self, label: str, nbytes: int, stream: Stream) -> None:
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        key = (stream, small)
+        found = self._pool(key).take(size)
+        if found is None:
+            found = self._new_segment(key, allocation_size(size))
+        _, seg, offset = found
+        block = next(b for b in self.segments[seg] if b.offset == offset)
+        rest = block.size - size
+        if rest >= (MIN_BLOCK if small else SMALL_SIZE + 1):
+            tail = _Block(segment=seg, offset=offset + size, size=rest)
+            blocks = self.segments[seg]
+            blocks.insert(blocks.index(block) + 1, tail)
+            bisect.insort(self._pool(key).free, (tail.size, seg, tail.offset))
+            block.size = size
+        block.free = False
+        self.live[label] = block
+
+    def _new_segment(self, key: tuple[Stream, bool], size: int) -> tuple[int, int, int]:
+        if self.reserved + size > self.capacity:
+            self._release_free_segments()
+        seg = self._next_segment
+        self._next_segment += 1
+        self.segments[seg] = [_Block(segment=seg, offset=0, size=size)]
+        self.segment_pool[seg] = key
+        self.reserved += size
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return size, seg, 0
+
+    def _release_free_segments(self) -> None:
+        for seg, blocks in list(self.segments.items()):
+            if len(blocks) == 1 and blocks[0].free:
+                pool = self._pool(self.segment_pool.pop(seg))
+                pool.free.remove((blocks[0].size, seg, 0))
+                self.reserved -= blocks[0].size
+                del self.segments[seg]
+
+    def free(self, label: str) -> None:
+        block = self.live.pop(label)
+        pool = self._pool(self.segment_pool[block.segment])
+        blocks = self.segments[block.segment]
+        i = blocks.index(block)
+        block.free = True
+        for j in (i + 1, i - 1):  # merge with free neighbours (right first, so i stays valid)
+            if 0 <= j < len(blocks) and blocks[j].free and blocks[j] is not block:
+                other = blocks[j]
+                pool.free.remove((other.size, other.segment, other.offset))
+                block.offset = min(block.offset, other.offset)
+                block.size += other.size
+                blocks.remove(other)
+        bisect.insort(pool.free, (block.size, block.segment, block.offset))
+
+
+def _page(small: bool) -> int:
+    return SMALL_BUFFER if small else LARGE_BUFFER
+
+
+def expandable_peak(records: list[MemoryRecord]) -> int:
+    """Peak reserved with ``expandable_segments``: each pool's live bytes rounded up to its pages."""
+    streams: dict[str, tuple[Stream, bool, int]] = {}
+    live: dict[tuple[Stream, bool], int] = {}
+    reserved: dict[tuple[Stream, bool], int] = {}
+    peak = 0
+    for rec in records:
+        if rec.delta_bytes > 0:
+            size = round_size(rec.delta_bytes)
+            key = (rec.stream, size <= SMALL_SIZE)
+            streams[rec.label] = (*key, size)
+        else:
+            stream, small, size = streams.pop(rec.label)
+            key, size = (stream, small), -size
+        live[key] = live.get(key, 0) + size
+        page = _page(key[1])
+        reserved[key] = max(reserved.get(key, 0), page * math.ceil(live[key] / page))
+        peak = max(peak, sum(reserved.values()))
+    return peak
+
+
+def peak_reserved_bytes(
+    table: EventTable, rank: int, capacity_bytes: int, *, expandable: bool = False, workspace_bytes: int = 0
+) -> int:
+    """The caching allocator's peak reserved bytes on ``rank``, the cuBLAS workspace included (it
+    is allocated through the allocator, once per stream that runs matmuls: the compute stream)."""
+    records = list(table.memory_of(rank))
+    if workspace_bytes:
+        workspace = MemoryRecord(
+            rank=rank,
+            time_s=0.0,
+            category=MemoryCategory.OTHER,
+            delta_bytes=workspace_bytes,
+            label="cublas_workspace",
+        )
+        records.insert(0, workspace)
+    if expandable:
+        return expandable_peak(records)
+    allocator = CachingAllocator(capacity_bytes)
+    for rec in records:
+        if rec.delta_bytes > 0:
+            allocator.malloc(rec.label, rec.delta_bytes, rec.stream)
+        else:
+            allocator.free(rec.label)
+    return allocator.peak_reserved
+
+
+def nccl_channels(node: NodeSpec) -> int:
+    """Channels NCCL runs a ring communicator with: its topology search finds 12 NVLink ring
+    channels on an 8-GPU NVSwitch node (A100/H100; nccl-model notes §2.4, from ``search.cc``),
+    one per NIC across nodes, 2 over PCIe; the runtime doubles them (``connect.cc``)."""
+    found = 12 if node.nvswitch else 2
+    return 2 * max(found, node.nics_per_node)
+
+
+def nccl_buffer_bytes(communicators: int, channels: int, ring_peers: int = 2) -> int:
+    """NCCL's buffers for ``communicators`` communicators of ``channels`` channels each: per
+    channel a connection to each ring neighbour, each with the three protocols' buffers."""
+    return communicators * channels * ring_peers * NCCL_BUFFERS_PER_CONNECTION
