@@ -1,0 +1,110 @@
+"""The caching-allocator replay (sim.outputs.allocator): exact reserved bytes for hand-made request
+sequences, following CUDACachingAllocator.cpp's rules, and its place in the report."""
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.core.events import Stream
+from sim.outputs.allocator import (
+    MIB,
+    NCCL_BUFFERS_PER_CONNECTION,
+    CachingAllocator,
+    allocation_size,
+    nccl_buffer_bytes,
+    round_size,
+)
+from sim.outputs.report import build_report
+from sim.scenario.loader import load_scenario
+from sim.simulate import simulate
+
+SEVEN_B = str(Path(__file__).resolve().parent.parent / "scenarios" / "llama2-7b-8xh100-zero3.toml")
+BIG = 1 << 40
+C = Stream.COMPUTE
+
+
+def test_rounding_and_segment_sizes_are_the_allocators() -> None:
+    assert round_size(1) == 512 and round_size(512) == 512 and round_size(513) == 1024
+    assert allocation_size(100) == 2 * MIB  # small pool: 2 MiB segments
+    assert allocation_size(MIB) == 2 * MIB
+    assert allocation_size(MIB + 512) == 20 * MIB  # 1-10 MiB: a 20 MiB block
+    assert allocation_size(10 * MIB) == 10 * MIB  # large: rounded to 2 MiB
+    assert allocation_size(15 * MIB) == 16 * MIB
+
+
+def test_small_requests_share_a_2_mib_segment() -> None:
+    a = CachingAllocator(BIG)
+    for i in range(4):
+        a.malloc(f"s{i}", 100_000, C)
+    assert a.reserved == 2 * MIB  # 4 x 100,352 B fit in one small segment
+
+
+def test_a_freed_block_is_reused_and_neighbours_merge() -> None:
+    a = CachingAllocator(BIG)
+    a.malloc("x", 12 * MIB, C)
+    a.malloc("y", 12 * MIB, C)
+    assert a.reserved == 24 * MIB
+    a.free("x")
+    a.malloc("z", 6 * MIB, C)  # best fit: the freed 12 MiB block, split (6 MiB left > 1 MiB)
+    assert a.reserved == 24 * MIB
+    a.free("z")
+    a.malloc("w", 12 * MIB, C)  # the split halves merged back into 12 MiB
+    assert a.reserved == 24 * MIB
+
+
+def test_streams_do_not_share_cached_blocks() -> None:
+    a = CachingAllocator(BIG)
+    a.malloc("ag", 12 * MIB, Stream.ALL_GATHER)
+    a.free("ag")
+    a.malloc("c", 12 * MIB, C)  # the all-gather stream's cached block is not the compute stream's
+    assert a.reserved == 24 * MIB
+    assert a.peak_reserved == 24 * MIB
+
+
+def test_free_segments_are_released_before_the_device_is_exceeded() -> None:
+    a = CachingAllocator(40 * MIB)
+    a.malloc("x", 30 * MIB, C)
+    a.free("x")
+    a.malloc("y", 32 * MIB, C)  # 30 + 32 > 40: the free 30 MiB segment goes back first
+    assert a.reserved == 32 * MIB and a.peak_reserved == 32 * MIB
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40 * MIB), st.booleans()), min_size=1, max_size=40))
+def test_reserved_covers_what_is_live(requests: list[tuple[int, bool]]) -> None:
+    """Invariant: reserved never drops below the rounded live bytes, and never goes negative."""
+    a = CachingAllocator(BIG)
+    live: dict[str, int] = {}
+    for i, (size, free_one) in enumerate(requests):
+        a.malloc(f"b{i}", size, C)
+        live[f"b{i}"] = round_size(size)
+        if free_one and live:
+            label = next(iter(live))
+            a.free(label)
+            del live[label]
+        assert a.reserved >= sum(live.values()) >= 0
+        assert a.peak_reserved >= a.reserved
+
+
+def test_nccl_buffers_follow_the_protocol_defaults() -> None:
+    assert NCCL_BUFFERS_PER_CONNECTION == 4 * MIB + 512 * 1024 + 4_915_200
+    assert nccl_buffer_bytes(2, 24) == 2 * 24 * 2 * NCCL_BUFFERS_PER_CONNECTION
+
+
+@pytest.mark.parametrize("sets", [[], ["cluster.expandable_segments=true"]], ids=["cached", "expandable"])
+def test_the_report_judges_fit_on_what_the_device_needs(sets: list[str]) -> None:
+    r = build_report(simulate(load_scenario(SEVEN_B, sets)))
+    assert r.peak_reserved_bytes >= r.peak_memory_bytes
+    assert r.required_bytes == r.peak_reserved_bytes + r.device_overhead_bytes
+    assert r.fits is (r.required_bytes <= r.device_memory_bytes)
+    assert r.to_json()["memory_headroom_bytes"] == r.device_memory_bytes - r.required_bytes
+
+
+def test_expandable_segments_reserve_less_than_fixed_segments() -> None:
+    cached, expandable = (
+        build_report(simulate(load_scenario(SEVEN_B, s))) for s in ([], ["cluster.expandable_segments=true"])
+    )
+    assert expandable.peak_memory_bytes == cached.peak_memory_bytes
+    assert expandable.peak_reserved_bytes < cached.peak_reserved_bytes
