@@ -6,7 +6,7 @@ markdown (memory in GiB, times in ms).
     python -m bench.answers --write    # rewrite it in README.md, between the answers markers
 
 The README holds the text between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` for each
-NAME of ``generate()``; ``tests/test_readme_answers.py`` fails when the two differ. Sentences that
+NAME of ``BLOCKS``; ``tests/test_readme_answers.py`` fails when the two differ. Sentences that
 interpret the figures ("... fits", "... costs almost nothing") are checked with ``claim``: when a
 change to the cost model makes one false, generation stops and names it, so that it is rewritten
 here instead of left wrong in the README. The seed documents' own figures are quoted as they give
@@ -538,7 +538,11 @@ def sweep_example() -> str:
         "FULL_SHARD ... because its all-gathers cross the inter-node links",
     )
     claim(nodes == 2, "FULL_SHARD across both nodes")
-    ckpt = "no checkpointing" if best["checkpointing.mode"] == "none" else "full checkpointing"
+    ckpt = (
+        "no checkpointing"
+        if best["checkpointing.mode"] == "none"
+        else f"{best['checkpointing.mode']} checkpointing"
+    )
     return para(
         f"""`{SWEEP}` asks which strategy, checkpointing mode and micro-batch give Llama-2-7B on
         {s.parallel.world_size} H100s the most tokens/s that still fits: HYBRID_SHARD (shard within
@@ -560,6 +564,8 @@ def _describe(c: Candidate, brief: bool = False) -> str:
             parts[-1] += f" × {c.grad_accum} accumulation steps"
     if c.checkpointing is CheckpointMode.FULL:
         parts.append("checkpointing")
+    elif c.checkpointing is not CheckpointMode.NONE:
+        parts.append(f"{c.checkpointing.value} checkpointing")
     if (c.forward_prefetch, c.backward_prefetch) != (0, 1):
         parts.append(f"prefetch {c.forward_prefetch}/{c.backward_prefetch}")
     return ", ".join(parts)
