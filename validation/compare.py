@@ -19,7 +19,7 @@ def simulated_phases(table: EventTable, rank: int = 0) -> dict[str, float]:
     ops = table.ops_of(rank)
     phases = dict.fromkeys(PHASES, 0.0)
     for mb in sorted({o.microbatch for o in ops}):
-        mine = [o for o in ops if o.microbatch == mb and o.kind is not OpKind.OPTIMIZER]
+        mine = [o for o in ops if o.microbatch == mb and o.kind not in (OpKind.OPTIMIZER, OpKind.HOST)]
         forward_end = max(o.end_s for o in mine if o.kind is OpKind.FORWARD)
         phases["forward"] += forward_end - min(o.start_s for o in mine)
         phases["backward"] += max(o.end_s for o in mine) - forward_end

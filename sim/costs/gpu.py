@@ -16,8 +16,8 @@ device's published kernel-level figures (``sim.hardware.schema.DeviceSpec``). Pu
   without a published curve borrows the nearest architecture's curve scaled by the ratio of the two
   parts' achievable matmul rates (an assumption, named in the README). The math path is two
   batched matmuls and a softmax over the s² scores.
-- **Memory-bound work** (norms, activations, rotary, residual adds, casts, the loss) moves its
-  bytes at the achievable streaming bandwidth; its backward moves twice as many.
+- **Memory-bound work** (norms, activations, rotary, residual adds, casts, the loss) moves the
+  bytes eager PyTorch moves (``sim.workload.layers``) at the achievable streaming bandwidth.
 - Every kernel takes at least ``kernel_launch_s`` on the device (back-to-back launch floor).
 
 Host-side costs (eager dispatch per op, FSDP2's hooks) are the schedule's, on the host stream.
@@ -127,10 +127,11 @@ class GpuKernelModel:
             fwd = self.gemm_s(m, n, k)
             return fwd, self.gemm_s(m, k, n) + self.gemm_s(n, k, m)
         elementwise = self.memory_s(op.memory_bytes)
+        elementwise_bwd = self.memory_s(op.backward_memory_factor * op.memory_bytes)
         if op.kind is LayerKind.ATTENTION and op.attention is not None:
             fwd, bwd = self.attention_s(op.attention, attention_kernel)
-            return fwd + elementwise, bwd + 2 * elementwise
-        return elementwise, 2 * elementwise
+            return fwd + elementwise, bwd + elementwise_bwd
+        return elementwise, elementwise_bwd
 
 
 def has_gpu_figures(device: DeviceSpec, dtype: str) -> bool:

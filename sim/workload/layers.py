@@ -16,6 +16,14 @@ Activation bytes follow what HF ``LlamaForCausalLM`` saves for backward in eager
 Residual adds save nothing (their traffic, 3·a·h per token each, is counted with the op that
 follows them in a block: the post-attention norm and the MLP's activation). Linear layers save
 their input, which is counted at its producer.
+Memory traffic is what eager PyTorch moves (every op reads its inputs and writes its output,
+no fusion), per element, read from HF ``modeling_llama.py`` with ``a`` the activation bytes
+(``eager_bytes``): RMSNorm to(fp32) a+4, pow 8, mean 4, mul 8, to(dtype) 4+a, weight mul 2a
+(casts vanish in fp32); RoPE per q/k element q*cos 2a, neg a, cat 2a, *sin 2a, add 3a; the
+attention output's transpose().contiguous() 2a; SiLU 2a and the product 3a per ffn element; the
+embedding gather 2a; the loss's logits.float() a+4 and log_softmax 12 (two reads, a write) per
+vocab element. Backward moves twice the forward's bytes (autograd runs each op's backward), but
+the loss's about 1.2× (nll and log_softmax backward and the cast back: 22 against 18 B).
 Forward FLOPs are 2*in*out per token for a linear; attention is 4*seq*q_dim per token, halved
 for causal masking with flash kernels; backward is twice the forward (Narayanan et al. 2021).
 
@@ -98,6 +106,7 @@ class LayerOp:
     gemm: tuple[int, int, int] | None = None  # (M, N, K) of a linear's forward matmul
     attention: AttentionShape | None = None
     host_ops: int = 0  # Python-level torch calls of the eager forward
+    backward_memory_factor: float = 2.0  # backward bytes over forward bytes of the memory-bound work
     # torchtitan's op-level selective checkpointing keeps this op's output (a matmul but every
     # second one in its block, or the attention kernel) instead of recomputing it: its bytes
     sac_kept_bytes: int = 0
@@ -126,6 +135,16 @@ class Workload:
         return self.micro_batch * self.seq_len
 
 
+def _cast_bytes(a: int) -> int:
+    """A cast to fp32 and back: nothing where the activations already are fp32."""
+    return 0 if a == FP32_BYTES else 2 * (a + FP32_BYTES)
+
+
+def _norm_bytes_per_element(a: int) -> int:
+    """Eager RMSNorm: the casts, pow, mean, the rsqrt multiply and the weight multiply."""
+    return _cast_bytes(a) + 8 + 4 + 8 + 2 * a
+
+
 def _residual_add_bytes(h: int, w: Workload) -> float:
     """A residual add reads two activations and writes one."""
     return 3.0 * w.tokens * h * w.act_bytes
@@ -148,7 +167,7 @@ def _norm(
         block=block,
         params=params,
         flops=0.0,
-        memory_bytes=t * h * (a + FP32_BYTES) * 2.0 + (_residual_add_bytes(h, w) if after_add else 0.0),
+        memory_bytes=t * h * _norm_bytes_per_element(a) + (_residual_add_bytes(h, w) if after_add else 0.0),
         saved_bytes=t * (h * (FP32_BYTES + 2 * a) + FP32_BYTES),
         host_ops=HOST_OPS["norm"],
     )
@@ -190,7 +209,8 @@ def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         block=i,
         params=(),
         flops=4.0 * t * s * q_dim * (0.5 if flash else 1.0),
-        memory_bytes=3.0 * t * (q_dim + kv_dim) * a,  # RoPE on q and k
+        memory_bytes=10.0 * t * (q_dim + kv_dim) * a
+        + 2.0 * t * q_dim * a,  # RoPE on q and k, the output's copy
         saved_bytes=saved,
         forward_transient_bytes=fwd_transient,
         backward_transient_bytes=bwd_transient,
@@ -210,7 +230,7 @@ def _mlp_act(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         block=i,
         params=(),
         flops=0.0,
-        memory_bytes=4.0 * t * f * a + _residual_add_bytes(cfg.hidden, w),
+        memory_bytes=5.0 * t * f * a + _residual_add_bytes(cfg.hidden, w),
         saved_bytes=4 * t * f * a,
         backward_transient_bytes=2 * t * f * a,
         host_ops=HOST_OPS["mlp_act"],
@@ -279,7 +299,7 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             block=None,
             params=(embed,),
             flops=0.0,
-            memory_bytes=float(t * cfg.hidden * a),
+            memory_bytes=float(2 * t * cfg.hidden * a),
             saved_bytes=t * INDEX_BYTES,  # the token ids
             host_ops=HOST_OPS["embed"],
         ),
@@ -323,7 +343,8 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             block=None,
             params=(),
             flops=0.0,
-            memory_bytes=3.0 * t * vocab * FP32_BYTES,
+            memory_bytes=float(t * vocab * (_cast_bytes(a) // 2 + 3 * FP32_BYTES)),
+            backward_memory_factor=22 / 18,
             saved_bytes=t * vocab * FP32_BYTES + t * INDEX_BYTES,  # log-softmax output, labels
             forward_transient_bytes=t * vocab * a + upcast,  # the logits and their fp32 copy
             # the fp32 grads of the log-softmax output and of its input; the cast back to ``a`` comes
