@@ -14,6 +14,7 @@ import numpy as np
 import simpy
 
 from sim.core.events import EventTable, MemoryCategory, MemoryRecord, OpKind, OpRecord, Stream
+from sim.core.links import Flow, SharedLinks
 from sim.core.program import Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
 
@@ -53,21 +54,29 @@ class _Rendezvous:
     def __init__(self, env: simpy.Environment, on_change: Callable[[list[int], int], None]):
         self.env, self.on_change = env, on_change
         self.pending: dict[tuple[object, int], tuple[simpy.Event, list[int]]] = {}
+        self.links = SharedLinks(env)
 
-    def arrive(self, key: tuple[object, int], rank: int, n_members: int, duration_s: float) -> simpy.Event:
+    def arrive(
+        self, key: tuple[object, int], rank: int, n_members: int, duration_s: float, flow: Flow
+    ) -> simpy.Event:
+        """Rank ``rank`` reached the collective ``key``; it runs once all ``n_members`` have, as
+        ``flow`` on the links its group crosses."""
         done, arrived = self.pending.setdefault(key, (self.env.event(), []))
         arrived.append(rank)
         if len(arrived) == n_members:
             del self.pending[key]
-            self.env.process(self._run(done, arrived, duration_s))
+            self.env.process(self._run(done, arrived, duration_s, flow))
         return done
 
     def _run(
-        self, done: simpy.Event, ranks: list[int], duration_s: float
+        self, done: simpy.Event, ranks: list[int], duration_s: float, flow: Flow
     ) -> Generator[simpy.Event, object, None]:
         start = self.env.now
         self.on_change(ranks, +1)
-        yield self.env.timeout(duration_s)
+        if flow.share > 0:
+            yield from self.links.transfer(duration_s, flow.share, flow.links)
+        else:
+            yield self.env.timeout(duration_s)
         self.on_change(ranks, -1)
         done.succeed(start)
 
@@ -148,7 +157,8 @@ class Engine:
                 gid, simulated_members, group_size = self._group(op.group, rank)
                 seq = self.group_seq[rank].get(gid, 0)
                 self.group_seq[rank][gid] = seq + 1
-                arrived = yield self.rendezvous.arrive((gid, seq), rank, simulated_members, duration)
+                flow = Flow(share=op.wire_fraction, links=self.topology.links(op.group, rank))
+                arrived = yield self.rendezvous.arrive((gid, seq), rank, simulated_members, duration, flow)
                 start = float(arrived)  # type: ignore[arg-type]
             else:
                 start = float(ready)

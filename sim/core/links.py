@@ -4,8 +4,8 @@ max-min fair rates (progressive filling, Bertsekas and Gallager, "Data Networks"
 Each flow is a collective in flight: ``work_s`` seconds at full speed, of which ``share`` is
 spent moving bytes over each link in ``links`` (the rest is latency, which contends for nothing).
 At full speed it takes ``share`` of every link it crosses; a link's flows together take at most
-all of it. Every flow gets the largest common rate its links allow, the flows of a saturated link
-stop there, and the others grow on (progressive filling). Rates are recomputed whenever a flow
+all of it, shared max-min fairly: equal shares, a flow that needs less keeping all it needs and
+leaving the rest to the others (progressive filling). Rates are recomputed whenever a flow
 starts or ends, and a running flow's remaining work is carried over at its new rate.
 """
 
@@ -25,23 +25,27 @@ class Flow:
 
 
 def max_min_rates(flows: list[Flow]) -> list[float]:
-    """Max-min fair rates in (0, 1] for ``flows`` whose shares of a link sum to at most one per unit rate."""
-    rates = [1.0 if f.share <= 0 or not f.links else 0.0 for f in flows]
-    active = {i for i, f in enumerate(flows) if rates[i] == 0.0}
-    used: dict[Hashable, float] = {}
+    """Rates in (0, 1] from a max-min fair share of every link's bandwidth: flows on a link share it
+    equally, a flow that needs less than its equal share (``share``) runs at full speed and leaves
+    the rest to the others (water-filling; no link ever carries more than all of it)."""
+    rates = [1.0] * len(flows)
+    active = {i for i, f in enumerate(flows) if f.share > 0 and f.links}
+    used: dict[Hashable, float] = {}  # bandwidth taken by frozen flows
     while active:
-        demand: dict[Hashable, float] = {}
+        count: dict[Hashable, int] = {}
         for i in active:
             for link in flows[i].links:
-                demand[link] = demand.get(link, 0.0) + flows[i].share
-        level = min([1.0] + [(1.0 - used.get(link, 0.0)) / d for link, d in demand.items()])
-        full = {link for link, d in demand.items() if (1.0 - used.get(link, 0.0)) / d <= level * (1 + 1e-12)}
-        done = {i for i in active if level >= 1.0 or full.intersection(flows[i].links)}
-        for i in done:
-            rates[i] = max(level, EPS_S)
+                count[link] = count.get(link, 0) + 1
+        fair = {link: (1.0 - used.get(link, 0.0)) / n for link, n in count.items()}
+        level = min([flows[i].share for i in active] + list(fair.values()))
+        full = {link for link, x in fair.items() if x <= level * (1 + 1e-12)}
+        frozen = {i for i in active if flows[i].share <= level or full.intersection(flows[i].links)}
+        for i in frozen:
+            allocation = min(flows[i].share, level)
+            rates[i] = max(allocation / flows[i].share, EPS_S)
             for link in flows[i].links:
-                used[link] = used.get(link, 0.0) + flows[i].share * rates[i]
-        active -= done
+                used[link] = used.get(link, 0.0) + allocation
+        active -= frozen
     return rates
 
 

@@ -41,6 +41,9 @@ class ProgramOp:
     group: GroupKind | None = None  # set for collectives
     bytes: int = 0  # nccl-tests size of a collective
     algorithm: str = ""  # a collective's algorithm, as its cost model chose it
+    # the fraction of a collective's time spent moving bytes over the links its group crosses: what
+    # it takes of each of them while it runs at full speed (sim.core.links); 0: no contention
+    wire_fraction: float = 0.0
     # issued asynchronously by the host (DDP's reducer): it overlaps the host's work even on a
     # backend whose blocking collectives serialise everything else (gloo)
     host_async: bool = False
@@ -70,6 +73,7 @@ class Program:
         group: GroupKind | None = None,
         bytes: int = 0,
         algorithm: str = "",
+        wire_fraction: float = 0.0,
         host_async: bool = False,
     ) -> int:
         """Append one op; returns its id (its index, which ``deps`` refer to)."""
@@ -89,6 +93,7 @@ class Program:
             group=group,
             bytes=bytes,
             algorithm=algorithm,
+            wire_fraction=wire_fraction,
             host_async=host_async,
         )
         self.ops.append(op)

@@ -44,6 +44,13 @@ class Topology:
         """A key equal on every member of the group and different across groups of this kind."""
         return kind.value, self.members(kind, rank)[0]
 
+    @cache  # noqa: B019 (as members)
+    def links(self, kind: GroupKind, rank: int) -> tuple[tuple[str, int], ...]:
+        """The links ``rank``'s group of ``kind`` crosses: every spanned node's network links, or the
+        node's own GPU fabric (NVLink or PCIe) for a group inside one node."""
+        nodes = sorted({self.node_of(r) for r in self.members(kind, rank)})
+        return tuple(("net", n) for n in nodes) if len(nodes) > 1 else (("node", nodes[0]),)
+
     def shape(self, kind: GroupKind, rank: int = 0) -> GroupShape:
         members = self.members(kind, rank)
         return GroupShape(size=len(members), spans_nodes=len({self.node_of(r) for r in members}) > 1)

@@ -24,6 +24,8 @@ class CollectiveCost:
 
     time_s: float
     algorithm: str
+    protocol: str = ""
+    wire_fraction: float = 0.0  # of the time, the share spent moving bytes (what contends for links)
 
 
 def bus_factor(collective: str, group_size: int) -> float:
@@ -68,12 +70,14 @@ def collective_cost(
         return CollectiveCost(time_s=0.0, algorithm=RING)
     curve = profile.curve(collective, group.size, dtype, group.spans_nodes)
     if curve is not None:
-        return CollectiveCost(time_s=_curve_time_s(curve, size_bytes), algorithm=MEASURED)
+        time_s = _curve_time_s(curve, size_bytes)
+        wire_s = wire_bytes_per_rank(collective, size_bytes, group.size) / curve.fit.bus_bw_Bps
+        return CollectiveCost(time_s=time_s, algorithm=MEASURED, wire_fraction=min(1.0, wire_s / time_s))
     link = profile.inter_node if group.spans_nodes else profile.intra_node
     launch = 0.0 if profile.calibrated else profile.backend.collective_launch_s
-    return CollectiveCost(
-        time_s=launch + alpha_beta_time_s(collective, size_bytes, group.size, link), algorithm=RING
-    )
+    wire_s = wire_bytes_per_rank(collective, size_bytes, group.size) / link.bus_bw_Bps
+    time_s = launch + link.latency_s + wire_s
+    return CollectiveCost(time_s=time_s, algorithm=RING, wire_fraction=wire_s / time_s)
 
 
 def collective_time_s(

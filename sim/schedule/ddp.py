@@ -121,6 +121,7 @@ class DdpScheduleBuilder(ScheduleBuilder):
                 group=GroupKind.REPLICATE,
                 bytes=nbytes,
                 algorithm=cost.algorithm,
+                wire_fraction=cost.wire_fraction,
                 host_async=True,
             )
             ops.append(self.last_all_reduce)

@@ -126,6 +126,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             group=group,
             bytes=nbytes,
             algorithm=cost.algorithm,
+            wire_fraction=cost.wire_fraction,
         )
         self.last_collective[group] = op
         return op
