@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 SCENARIO ?= scenarios/llama2-7b-8xh100-zero3.toml
 
-.PHONY: install run test lint bench validate clean
+.PHONY: install run test lint bench validate validate-published clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,9 @@ bench: install
 
 validate: install
 	$(BIN)/fsdpsim validate --matrix --out VALIDATION.md
+
+validate-published: install
+	$(BIN)/fsdpsim validate --published --out VALIDATION.md
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache *.egg-info

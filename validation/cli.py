@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--matrix", action="store_true", help="run the validation matrix and write --out (VALIDATION.md)"
     )
     p.add_argument(
+        "--published",
+        action="store_true",
+        help="predict the published GPU runs of the development set and write their section of --out",
+    )
+    p.add_argument(
         "--memory-only",
         action="store_true",
         help="measure one rank's real FSDP2 peak memory at the scenario's world size in one process "
@@ -44,6 +49,11 @@ def main(argv: list[str]) -> int:
     from validation.compare import as_json, format_markdown
 
     args = build_parser().parse_args(argv)
+    if args.published:
+        from validation.published import write_published
+
+        print(write_published(args.out or "VALIDATION.md"))
+        return 0
     if args.matrix:
         from validation.matrix import run_matrix
 

@@ -61,7 +61,10 @@ MEMORY_MATRIX: list[tuple[str, list[str]]] = [
     ("Llama-3-70B, 64 ranks, bf16", [*_70B, *_BF16]),
     ("Llama-3-70B, 64 ranks, fp32", [*_70B, *_FP32]),
     ("Llama-3-70B, 64 ranks, bf16, checkpointing", [*_70B, *_BF16, "checkpointing.mode=full"]),
-    ("Llama-3-70B, 64 ranks, bf16, selective op checkpointing", [*_70B, *_BF16, "checkpointing.mode=selective"]),
+    (
+        "Llama-3-70B, 64 ranks, bf16, selective op checkpointing",
+        [*_70B, *_BF16, "checkpointing.mode=selective"],
+    ),
     (
         "Llama-3-70B, 64 ranks, bf16, reshard_after_forward=False",
         [*_70B, *_BF16, "parallel.reshard_after_forward=false"],

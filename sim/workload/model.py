@@ -62,6 +62,16 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(
         name="llama3-8b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab=128256
     ),
+    # codellama/CodeLlama-34b-hf config.json: the Llama-2-architecture 34B (IBM's FSDP blog trains a 34B)
+    "codellama-34b": ModelConfig(
+        name="codellama-34b",
+        n_layers=48,
+        hidden=8192,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden=22016,
+        vocab=32000,
+    ),
     "llama3-70b": ModelConfig(
         name="llama3-70b", n_layers=80, hidden=8192, n_heads=64, n_kv_heads=8, ffn_hidden=28672, vocab=128256
     ),
