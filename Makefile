@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 SCENARIO ?= scenarios/llama2-7b-8xh100-zero3.toml
 
-.PHONY: install run test lint bench validate validate-published clean
+.PHONY: install run test lint bench validate validate-published validate-gpu clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ validate: install
 
 validate-published: install
 	$(BIN)/fsdpsim validate --published --out VALIDATION.md
+
+# on a machine with NVIDIA GPUs only (never in CI): about ten minutes
+validate-gpu: install
+	timeout 600 $(BIN)/python -m validation.gpu --out VALIDATION.md
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -111,6 +111,8 @@ def memory_rows(report: StepReport, measured: dict[str, Any]) -> list[Row]:
         rows.append(
             Row("peak memory (allocator)", report.peak_memory_bytes, measured["cuda_max_allocated"], "B")
         )
+    if "cuda_max_reserved" in measured:
+        rows.append(Row("peak reserved", report.peak_reserved_bytes, measured["cuda_max_reserved"], "B"))
     rows += [
         Row(f"  {c.value}", report.memory_at_peak[c], measured.get(c.value, 0), "B") for c in MemoryCategory
     ]

@@ -1,0 +1,146 @@
+"""``make validate-gpu``: the GPU checks, prepared for a machine with one or more NVIDIA GPUs, in
+at most ten minutes. Never part of CI (there is no GPU there).
+
+1. The built-in profile of this GPU (matched by ``torch.cuda.get_device_name``) predicts real
+   FSDP2 steps at world size 1 (bf16, fp32 reduce) for a few model sizes: step time, allocated
+   and reserved peaks, predicted from the published kernel figures alone (no calibration).
+2. The same steps predicted from this machine's calibrated per-unit compute.
+3. With two or more GPUs: the NCCL collectives measured (``calibrate comm``) against the NCCL
+   model's prediction for the built-in profile, and a 2-rank FSDP2 step.
+Every figure goes into VALIDATION.md between markers.
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from sim.errors import UserError
+from sim.fileio import write_text_atomic
+from sim.hardware.builtin import BUILTIN_PROFILES
+from sim.hardware.registry import load_profile
+from sim.outputs.report import build_report
+from sim.scenario.loader import load_scenario
+from sim.simulate import simulate
+from validation.compare import compare, format_markdown
+from validation.launch import run_real
+from validation.run import calibrated_profile
+
+BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
+BASE = "scenarios/tiny.toml"
+# (name, overrides): model sizes a single GPU trains in seconds
+CONFIGS: list[tuple[str, list[str]]] = [
+    (
+        "llama-34m, bf16, 8 x 1024",
+        ["model.preset=llama-34m", "training.micro_batch=8", "training.seq_len=1024"],
+    ),
+    (
+        "1.2B (16 x 2048 hidden), bf16, 4 x 2048",
+        [
+            "model.preset=llama2-7b",
+            "model.n_layers=16",
+            "model.hidden=2048",
+            "model.n_heads=16",
+            "model.n_kv_heads=16",
+            "model.ffn_hidden=5504",
+            "training.micro_batch=4",
+            "training.seq_len=2048",
+        ],
+    ),
+]
+COMMON = ["precision.param_dtype=bf16", "precision.reduce_dtype=fp32", "parallel.strategy=FULL_SHARD"]
+
+
+def builtin_for(device_name: str) -> str:
+    """The built-in profile whose device name this GPU reports (the longest match wins)."""
+    matches = [n for n in BUILTIN_PROFILES if load_profile(n).device.name in device_name]
+    if not matches:
+        raise UserError(f"no built-in profile for {device_name!r}; built-in: {', '.join(BUILTIN_PROFILES)}")
+    return max(matches, key=lambda n: len(load_profile(n).device.name))
+
+
+def _one(name: str, sets: list[str], nproc: int, profile: str, calibrated: str | None) -> list[str]:
+    spec = {"scenario": BASE, "overrides": sets, "steps": 10, "warmup": 3}
+    ranks = run_real(spec, nproc, 300.0)
+    lines = []
+    for label, prof in (("built-in, uncalibrated", profile), ("calibrated compute", calibrated)):
+        if prof is None:
+            continue
+        scenario = load_scenario(BASE, [*sets, f'cluster.profile="{prof}"'])
+        result = simulate(scenario)
+        lines.append(
+            format_markdown(
+                f"{name} on {nproc} GPU(s), {label}", compare(build_report(result), result.events, ranks)
+            )
+        )
+    return lines
+
+
+def run(out: str, nproc: int) -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("validate-gpu needs a CUDA GPU; none is visible here")
+    name = torch.cuda.get_device_name(0)
+    profile = builtin_for(name)
+    lines = [
+        f"## GPU validation (`make validate-gpu`) on {torch.cuda.device_count()} x {name}",
+        "",
+        f"Built-in profile `{profile}`; torch {torch.__version__}, CUDA {torch.version.cuda}.",
+        "",
+    ]
+    with tempfile.TemporaryDirectory(prefix="fsdpsim-gpu-") as tmp:
+        for i, (config, sets) in enumerate(CONFIGS):
+            world = [*COMMON, *sets, "parallel.world_size=1"]
+            folder = Path(tmp) / f"c{i}"
+            folder.mkdir()
+            try:
+                cal = calibrated_profile(BASE, world, 1, folder, str(_profile_file(profile, folder)))
+            except UserError as e:  # the uncalibrated prediction is still worth recording
+                print(f"calibration failed: {e}", file=sys.stderr)
+                cal = None
+            lines += _one(config, world, 1, profile, cal)
+        if torch.cuda.device_count() >= 2:
+            lines += _one(CONFIGS[0][0], [*COMMON, *CONFIGS[0][1], "parallel.world_size=2"], 2, profile, None)
+    section = "\n\n".join(lines)
+    _write_section(out, section)
+    return section
+
+
+def _profile_file(name: str, folder: Path) -> Path:
+    """A copy of a built-in profile as a file, for ``calibrate compute`` to add its section to."""
+    import json
+
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(BUILTIN_PROFILES[name]))
+    return path
+
+
+def _write_section(path: str, section: str) -> None:
+    p = Path(path)
+    text = p.read_text() if p.is_file() else ""
+    block = f"{BEGIN}\n{section}\n{END}"
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    write_text_atomic(p, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m validation.gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="VALIDATION.md")
+    parser.add_argument("--nproc", type=int, default=None, help="GPUs to use (default: all)")
+    args = parser.parse_args(argv)
+    try:
+        import torch
+
+        print(run(args.out, args.nproc or max(1, torch.cuda.device_count())))
+    except UserError as e:
+        print(f"validate-gpu: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
