@@ -30,9 +30,19 @@ def make_profile(
     bus_bw_Bps: float | None = None,
     latency_s: float | None = None,
     launch_s: float | None = None,
+    overlap_slowdown: float | None = None,
+    roofline: bool = False,
 ) -> HardwareProfile:
-    """The h100-sxm datasheet profile with the backend and link numbers a test needs."""
+    """The h100-sxm datasheet profile with the backend and link numbers a test needs
+    (``overlap_slowdown=1.0``: compute that a collective overlaps is not slowed, so an op's
+    duration does not depend on when the collectives around it run; ``roofline``: without the GPU
+    kernel model's inputs, so that compute is the roofline a calibrated profile scales)."""
     data = copy.deepcopy(BUILTIN_PROFILES["h100-sxm"])
+    if roofline:
+        data["device"].pop("matmul_flops")
+        data["device"].pop("achievable_hbm_bandwidth_Bps")
+    if overlap_slowdown is not None:
+        data["device"]["overlap_slowdown"] = overlap_slowdown
     data["backend"]["overlaps_comm_compute"] = overlap
     data["backend"]["collective_temp_buffers"] = temp_buffers
     for link in ("intra_node", "inter_node"):
@@ -73,10 +83,11 @@ def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, fact
     units = {}
     for group in CalibrationGroup:
         members = [op for op in ops if op.group is group and op.block in (None, 0)]
-        fwd = sum(costs.op_forward_s(op) for op in members)
+        fwd = sum(costs.op_s(op)[0] for op in members)
+        bwd = sum(costs.op_s(op)[1] for op in members)
         units[group.value] = {
             "forward_s": factor * fwd,
-            "backward_s": factor * 2 * fwd,
+            "backward_s": factor * bwd,
             "recompute_s": factor * fwd,
             "saved_activation_bytes": factor * sum(op.saved_bytes for op in members),
             "forward_transient_bytes": factor * max(op.forward_transient_bytes for op in members),
@@ -103,5 +114,6 @@ def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, fact
         },
         "fsdp_unit_overhead_s": {"forward": 0.0, "backward": 0.0},
         "host_overhead_in_step": False,
-        "compute_slowdown_during_collective": 1.0,
+        # the profile's own figure, so that only the unit times differ from the analytic run
+        "compute_slowdown_during_collective": profile.compute_slowdown_during_collective,
     }

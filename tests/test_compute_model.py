@@ -27,7 +27,7 @@ def _durations(result, kind):
 
 def test_calibrated_times_and_bytes_replace_the_analytic_ones():
     s = make_scenario(model={"preset": "tiny", "n_layers": 3})
-    profile = make_profile()
+    profile = make_profile(overlap_slowdown=1.0)
     analytic = simulate(s, profile)
     calibrated = simulate(s, _with_compute(profile, synthetic_compute_section(s, profile, 3.0)))
     for kind in (OpKind.FORWARD, OpKind.BACKWARD):
@@ -45,15 +45,17 @@ def test_calibrated_times_and_bytes_replace_the_analytic_ones():
 
 def test_a_section_measured_at_other_dimensions_is_refused_naming_the_fields():
     measured_at = make_scenario(model={"preset": "tiny"})
-    profile = make_profile()
+    profile = make_profile(overlap_slowdown=1.0)
     other = _with_compute(profile, synthetic_compute_section(measured_at, profile, 2.0))
     with pytest.raises(UserError, match=r"model.n_layers=2 \(scenario: 4\).*seq_len=64 \(scenario: 128\)"):
         simulate(make_scenario(model={"preset": "tiny", "n_layers": 4}, training={"seq_len": 128}), other)
 
 
 def test_scaling_carries_the_measured_to_analytic_ratio_to_new_dimensions():
+    # a calibrated profile scales the roofline (sim.costs.compute._kernels), so the ratio is
+    # checked against the roofline at the new dimensions
     measured_at = make_scenario(model={"preset": "tiny"})
-    profile = make_profile()
+    profile = make_profile(overlap_slowdown=1.0, roofline=True)
     calibrated = _with_compute(profile, synthetic_compute_section(measured_at, profile, 2.0))
     target = make_scenario(
         model={"preset": "tiny", "n_layers": 4}, training={"seq_len": 128}, cluster={"compute_scaling": True}
@@ -75,7 +77,7 @@ def _copy_ops(result):
 @pytest.mark.parametrize("in_step", [True, False])
 def test_fsdp_host_overhead_is_charged_once_per_unit_and_pass_only_where_the_host_is_the_device(in_step):
     s = make_scenario(model={"preset": "tiny", "n_layers": 3})
-    profile = make_profile()
+    profile = make_profile(overlap_slowdown=1.0)
     section = synthetic_compute_section(s, profile, 1.0)
     base = simulate(s, _with_compute(profile, section))
     section = section | {
@@ -98,7 +100,7 @@ def test_fsdp_host_overhead_is_charged_once_per_unit_and_pass_only_where_the_hos
 
 
 def test_fsdp_steps_the_optimizer_measured_on_dtensors_and_ddp_the_plain_one():
-    profile = make_profile()
+    profile = make_profile(overlap_slowdown=1.0)
     fsdp_s = make_scenario(model={"preset": "tiny", "n_layers": 3})
     ddp_s = make_scenario(model={"preset": "tiny", "n_layers": 3}, parallel={"strategy": "NO_SHARD"})
     section = synthetic_compute_section(fsdp_s, profile, 1.0) | {

@@ -1,8 +1,10 @@
-"""Golden test: every scenario, and variants reaching every schedule path, report the numbers the
-code gave before the layered rewrite (``tests/data/golden``, recorded by that code), and the
-small ones the same event table, op for op and allocation for allocation.
+"""Golden test: every scenario, and variants reaching every schedule path, report the numbers of
+``tests/data/golden`` (whose README says which code recorded each: the calibrated-CPU cases come
+from the code before the layered rewrite), and the small ones the same event table, op for op and
+allocation for allocation.
 
-The differences allowed are the fixes issue 10 names, each checked for what it is:
+The differences allowed against the pre-rewrite recordings are the fixes issue 10 names, each
+checked for what it is:
 - ``mfu`` follows torchtitan's definition (``sim.workload.flops``), and ``hfu`` is new;
 - ``idle`` is never negative (it was ``step - compute - exposed`` unclamped, a rounding residue).
 """

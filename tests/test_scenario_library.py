@@ -89,7 +89,7 @@ def test_wrap_granularity_sets_the_number_of_collectives() -> None:
     assert model["peak_memory_bytes"] > block["peak_memory_bytes"] + 20 * GB > linear["peak_memory_bytes"]
 
 
-def test_hybrid_shard_beats_full_shard_at_1024_ranks() -> None:
+def test_scale_out_keeps_per_gpu_throughput_and_hsdp_in_a_node_does_not_fit() -> None:
     base = run("scaleout-llama3-70b.toml")
     full = run("scaleout-llama3-70b.toml", "parallel.world_size=1024")
     hybrid = run("scaleout-llama3-70b.toml", "parallel.world_size=1024", "parallel.strategy=HYBRID_SHARD")
@@ -102,11 +102,11 @@ def test_hybrid_shard_beats_full_shard_at_1024_ranks() -> None:
     assert full["ranks_simulated"] == 1  # no jitter: identical ranks simulated once
     # weak scaling: FULL_SHARD keeps its per-GPU throughput within 2 % from 64 to 1,024 ranks
     assert full["tokens_per_s_per_gpu"] == pytest.approx(base["tokens_per_s_per_gpu"], rel=0.02)
-    assert hybrid["step_time_s"] < 0.8 * full["step_time_s"]
-    assert hybrid["breakdown_s"]["exposed_comm"] < 0.05 * full["breakdown_s"]["exposed_comm"]
-    # ...but 8-way sharding leaves 141 GB of model state per GPU: it does not fit
+    # 8-way sharding leaves 141 GB of model state per GPU: it does not fit
     assert not hybrid["fits"] and hybrid["model_state_bytes"] > 140 * GB
-    assert hybrid64["fits"] and hybrid64["step_time_s"] <= full["step_time_s"]
+    # HSDP adds a replicate all-reduce per unit; sharding over 64 ranks it fits, within 2 %
+    assert hybrid64["fits"] and hybrid64["collectives"]["all_reduce"]["count"] == 81
+    assert hybrid64["step_time_s"] == pytest.approx(full["step_time_s"], rel=0.02)
 
 
 def test_the_slow_rank_slows_everyone() -> None:

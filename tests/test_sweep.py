@@ -311,7 +311,12 @@ def test_example_scenario_answers_its_question(tmp_path: Path, capsys: pytest.Ca
     assert len(rows) == 24 and all(r["error"] == "" for r in rows)
     assert all(r["fits"] == "false" for r in rows if r["parallel.strategy"] == "NO_SHARD")  # 16 B/param of 7B
     best = max((r for r in rows if r["fits"] == "true"), key=lambda r: float(r["tokens_per_s"]))
-    assert best["parallel.strategy"] == "HYBRID_SHARD"
+    # ZeRO-2 does not re-gather in backward, and its 66 GiB at micro-batch 2 still fits
+    assert (best["parallel.strategy"], best["checkpointing.mode"], best["training.micro_batch"]) == (
+        "SHARD_GRAD_OP",
+        "none",
+        "2",
+    )
 
 
 # --- user mistakes: one line, exit 2, nothing written ---------------------------------------

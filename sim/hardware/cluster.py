@@ -7,14 +7,14 @@ cluster with a slow NIC, slow NVLink or an oversubscribed spine.
 Bandwidths are bytes per second in one direction, except ``nic_gbps``: a NIC's line rate in Gb/s,
 as vendors quote it.
 
-Graph nodes (attributes ``kind`` and ``layer``; layer 0 is drawn at the bottom):
+Graph nodes (attributes ``kind`` and ``layer``, the row of a drawing from the bottom):
 
-- ``("gpu", node, i)``, layer 0;
-- ``("nvswitch", domain)``, layer 1: one per NVLink domain (8 GPUs on HGX, 72 on GB200 NVL72,
+- ``("nvswitch", domain)``, layer 0: one per NVLink domain (8 GPUs on HGX, 72 on GB200 NVL72,
   where a domain spans 18 "nodes" of 4 GPUs), only when ``nvswitch``;
-- ``("pcie", node, j)``, layer 1: one PCIe switch per GPU–NIC group, min(GPUs, NICs) per node
+- ``("gpu", node, i)``, layer 1;
+- ``("pcie", node, j)``, layer 2: one PCIe switch per GPU–NIC group, min(GPUs, NICs) per node
   (``gpus_per_nic`` GPUs share a NIC, or a GPU owns 1 / ``gpus_per_nic`` NICs);
-- ``("nic", node, k)``, layer 2; ``("leaf", l)``, layer 3; ``("spine", s)``, layer 4.
+- ``("nic", node, k)``, layer 3; ``("leaf", l)``, layer 4; ``("spine", s)``, layer 5.
 
 Graph edges (attributes ``kind`` and ``capacity_Bps``, per direction):
 
@@ -71,7 +71,7 @@ FIELDS = (
     "sources",
 )
 LINK_KINDS = ("nvlink", "pcie", "nic", "leaf", "spine")
-NODE_LAYERS = {"gpu": 0, "nvswitch": 1, "pcie": 1, "nic": 2, "leaf": 3, "spine": 4}
+NODE_LAYERS = {"nvswitch": 0, "gpu": 1, "pcie": 2, "nic": 3, "leaf": 4, "spine": 5}
 Node = tuple[Any, ...]
 
 

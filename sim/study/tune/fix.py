@@ -114,7 +114,7 @@ def evaluate_change(
         return ChangeResult(change=change, fits=False, global_batch=g, best=None, memory_bound_bytes=smallest)
     simulated = lowest_memory(changed, profile, valid, SIMULATED_PER_CHANGE)
     fitting = sorted((e for e in simulated if e.fits(limit)), key=Evaluated.sort_key)
-    best = fitting[0] if fitting else min(simulated, key=lambda e: (e.peak_bytes, e.candidate))
+    best = fitting[0] if fitting else min(simulated, key=lambda e: (e.required_bytes, e.candidate))
     return ChangeResult(
         change=change, fits=bool(fitting), global_batch=g, best=best, memory_bound_bytes=smallest
     )

@@ -42,8 +42,8 @@ def why(e: Evaluated, limit_bytes: float, first: Evaluated | None) -> str:
     parts = [
         f"compute {b.compute_s / step:.0%} of the step",
         f"exposed comm {_ms(b.exposed_comm_s)} ({hidden:.0%} of {_ms(comm_s)} of collectives hidden)",
-        f"peak {gib(e.peak_bytes)}, mostly {dominant.value} ({memory[dominant] / e.peak_bytes:.0%})",
-        f"{gib(limit_bytes - e.peak_bytes)} under the limit",
+        f"peak {gib(e.required_bytes)}, mostly {dominant.value} ({memory[dominant] / e.required_bytes:.0%})",
+        f"{gib(limit_bytes - e.required_bytes)} under the limit",
     ]
     if first is not None and first is not e:
         assert first.report is not None
@@ -71,7 +71,7 @@ def _group_text(members: Sequence[Evaluated], limit: float) -> str:
     slower = [e.time_bound_s for e in members if e.status is Status.PRUNED_TIME]
     if slower:
         return f">= {_ms(min(slower))} (bound, not simulated)"
-    peaks = [e.peak_bytes for e in members if e.report is not None]
+    peaks = [e.required_bytes for e in members if e.report is not None]
     if peaks:
         return f"none fits (smallest peak {gib(min(peaks))})"
     bounds = [e.memory_bound_bytes for e in members if e.status is Status.PRUNED_MEMORY]
@@ -105,10 +105,10 @@ def _header(o: TuneOutcome) -> list[str]:
 
 def _summary(e: Evaluated, limit: float) -> str:
     assert e.report is not None
-    fit = "fits" if e.fits(limit) else f"does not fit by {gib(e.peak_bytes - limit)}"
+    fit = "fits" if e.fits(limit) else f"does not fit by {gib(e.required_bytes - limit)}"
     return (
         f"{e.candidate.label()}: {_ms(e.step_time_s)}, {e.report.tokens_per_s:,.0f} tokens/s, "
-        f"peak {gib(e.peak_bytes)} ({fit})"
+        f"peak {gib(e.required_bytes)} ({fit})"
     )
 
 
@@ -122,7 +122,7 @@ def _top_lines(o: TuneOutcome) -> list[str]:
         gain = e.report.tokens_per_s / base.report.tokens_per_s - 1 if base.report else 0.0
         lines.append(
             f"{i:>2}  {e.candidate.label():<44}{_ms(e.step_time_s):>12}{e.report.tokens_per_s:>12,.0f}"
-            f"{gain:>+9.1%}{gib(e.peak_bytes):>12}{_ms(e.report.breakdown.exposed_comm_s):>12}"
+            f"{gain:>+9.1%}{gib(e.required_bytes):>12}{_ms(e.report.breakdown.exposed_comm_s):>12}"
         )
     lines += ["", "why"]
     lines += [f"{i:>2}  {why(e, o.limit_bytes, top[0])}" for i, e in enumerate(top, 1)]
@@ -187,6 +187,7 @@ def _entry(e: Evaluated, limit: float, first: Evaluated | None) -> dict[str, Any
         "config": e.candidate.as_dict(),
         "overrides": list(e.candidate.overrides()),
         **{k: r[k] for k in keys},
+        "required_bytes": e.required_bytes,
         "fits": e.fits(limit),
         "why": why(e, limit, first) if e.fits(limit) else None,
     }
@@ -230,7 +231,8 @@ def _change_json(r: ChangeResult, limit: float) -> dict[str, Any]:
         "global_batch": r.global_batch,
         "overrides": list(r.overrides),
         "memory_lower_bound_bytes": r.memory_bound_bytes,
-        "peak_memory_bytes": r.best.peak_bytes if r.best else None,
+        "peak_memory_bytes": r.best.report.peak_memory_bytes if r.best and r.best.report else None,
+        "required_bytes": r.best.required_bytes if r.best else None,
         "step_time_s": r.best.step_time_s if r.best else None,
         "error": r.error,
     }

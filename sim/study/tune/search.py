@@ -44,16 +44,17 @@ class Evaluated:
         return self.report.step_time_s
 
     @property
-    def peak_bytes(self) -> int:
+    def required_bytes(self) -> int:
+        """What the device must hold at the peak (what fitting is judged on; ``StepReport``)."""
         assert self.report is not None
         return self.report.required_bytes
 
     def fits(self, limit_bytes: float) -> bool:
-        return self.report is not None and self.peak_bytes <= limit_bytes
+        return self.report is not None and self.required_bytes <= limit_bytes
 
     def sort_key(self) -> tuple[float, int, Candidate]:
         """Fastest first; then the smaller peak; then the candidate's own order (deterministic)."""
-        return (self.step_time_s, self.peak_bytes, self.candidate)
+        return (self.step_time_s, self.required_bytes, self.candidate)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +107,7 @@ def same_but_prefetch(a: Evaluated, b: Evaluated) -> bool:
         cb, forward_prefetch=0, backward_prefetch=0
     ):
         return False
-    return abs(a.step_time_s - b.step_time_s) <= 1e-9 * b.step_time_s and a.peak_bytes >= b.peak_bytes
+    return abs(a.step_time_s - b.step_time_s) <= 1e-9 * b.step_time_s and a.required_bytes >= b.required_bytes
 
 
 def search(

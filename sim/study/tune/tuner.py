@@ -62,7 +62,7 @@ def closest_config(
     if not simulated:
         bounded = [bound(scenario, profile, c, result.limit_bytes) for c in candidates(scenario, g)]
         simulated = lowest_memory(scenario, profile, bounded, 1)
-    return min(simulated, key=lambda e: (e.peak_bytes, e.candidate)) if simulated else None
+    return min(simulated, key=lambda e: (e.required_bytes, e.candidate)) if simulated else None
 
 
 def tune(
