@@ -37,7 +37,7 @@ from sim.study.sweep.plan import make_plan, make_rows
 from sim.study.tune.fix import cheapest
 from sim.study.tune.search import SearchResult, Status
 from sim.study.tune.space import Candidate
-from sim.study.tune.tuner import tune
+from sim.study.tune.tuner import TuneOutcome, tune
 from sim.workload.layers import LayerOp
 from sim.workload.options import CheckpointMode, OptimizerName, Strategy
 
@@ -583,12 +583,29 @@ def _counts(searched: SearchResult) -> str:
     return text + (f", {invalid} invalid)" if invalid else ")")
 
 
-def tune_example() -> str:
-    fits = tune(str(ROOT / NODE_7B))
+def _tune_best(fits: TuneOutcome) -> str:
+    """#1 of the tuner against the file's own configuration."""
     first, base = fits.result.top[0], fits.baseline
     assert first.report is not None and base.report is not None
+    head = f"#1 is {_describe(first.candidate)}: {t(first.step_time_s)}"
+    limit = f"peak {gib(first.required_bytes)} against a {gib(fits.limit_bytes)} limit"
+    if first.candidate == base.candidate:
+        second = fits.result.top[1]
+        assert second.report is not None
+        slower = second.step_time_s / first.step_time_s - 1
+        claim(slower >= 0, "the runner-up is slower")
+        return (
+            f"{head}, the file's own configuration, {limit}; the runner-up, "
+            f"{_describe(second.candidate)}, is {pct(slower)} slower"
+        )
     gain = first.report.tokens_per_s / base.report.tokens_per_s - 1
     claim(gain > 0, "#1 ... faster than the file's configuration")
+    b = base.candidate
+    return f"{head}, {pct(gain)} faster than the file's {b.strategy.value}/{b.wrap.value}, {limit}"
+
+
+def tune_example() -> str:
+    fits = tune(str(ROOT / NODE_7B))
     sets = ("parallel.world_size=8",)
     none = tune(str(ROOT / SCALEOUT), sets)
     searched = none.result
@@ -600,13 +617,10 @@ def tune_example() -> str:
     fix = cheapest(none.changes)
     claim(fix is not None and fix.best is not None, "the cheapest fix is ...")
     assert fix is not None and fix.best is not None
-    b = base.candidate
     what = re.sub(r"^(\d+)x ", r"\1× ", fix.change.what)  # "4x the ranks (32)" -> "4× the ranks (32)"
     return para(
         f"""Examples: `fsdpsim tune {NODE_7B}` looks at {_counts(fits.result)};
-        #1 is {_describe(first.candidate)}: {t(first.step_time_s)}, {pct(gain)} faster than the
-        file's {b.strategy.value}/{b.wrap.value}, peak {gib(first.required_bytes)} against a
-        {gib(fits.limit_bytes)} limit. `fsdpsim tune {SCALEOUT} --set {sets[0]}`: nothing fits
+        {_tune_best(fits)}. `fsdpsim tune {SCALEOUT} --set {sets[0]}`: nothing fits
         (every configuration pruned by memory); the cheapest fix is {what}:
         {_describe(fix.best.candidate, brief=True)}, {gib(fix.best.required_bytes)}."""
     )

@@ -15,26 +15,13 @@ from typing import TYPE_CHECKING
 
 from calibrate.errors import CalibrationFailed
 from calibrate.launch import COMMAND_ENV, WORKER_ENV
+from sim.cli.parser import parse_size
 from sim.errors import UserError
 
 if TYPE_CHECKING:
     from calibrate.comm import Fault
 
 PROG = "calibrate"
-UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '4096', '1K', '64M', '1G' (binary units, as nccl-tests' -b/-e)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1] if t and t[-1] in UNITS else ""
-    try:
-        value = float(t[: len(t) - len(unit)] if unit else t) * UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4096, 1K, 64M, 1G)") from None
-    if value < 1 or value != int(value):
-        raise argparse.ArgumentTypeError(f"not a whole positive number of bytes: {text!r}")
-    return int(value)
 
 
 def _csv(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:

@@ -14,6 +14,8 @@ from sim.core.topology import GroupKind, Topology
 from sim.costs.collectives import CollectiveCost, collective_cost
 from sim.costs.compute import build_compute_costs
 from sim.dtypes import dtype_bytes
+from sim.hardware.cluster import default_cluster
+from sim.hardware.network import Network, job_network
 from sim.hardware.registry import builtin_devices, load_profile
 from sim.hardware.schema import HardwareProfile
 from sim.scenario.sections import Scenario
@@ -46,6 +48,25 @@ def _topology(scenario: Scenario) -> Topology:
     )
 
 
+def scenario_network(scenario: Scenario, profile: HardwareProfile) -> Network | None:
+    """The cluster the scenario's ranks run on, with its what-ifs; None where collectives are not
+    NCCL's (gloo: the profile's measured curves and links)."""
+    if profile.backend.name != "nccl":
+        return None
+    c = scenario.cluster
+    return job_network(
+        scenario.cluster_spec or default_cluster(profile, scenario.gpus_per_node),
+        world_size=scenario.parallel.world_size,
+        ranks_per_node=scenario.gpus_per_node,
+        arch=profile.device.architecture,
+        nics_per_node=c.nics_per_node,
+        nic_gbps=c.nic_gbps,
+        nic_factor=c.nic_factor,
+        nvlink_factor=c.nvlink_factor,
+        spine_oversubscription=c.spine_oversubscription,
+    )
+
+
 def build_step(
     scenario: Scenario, profile: HardwareProfile
 ) -> tuple[StepConfig, Topology, Sequence[LayerOp]]:
@@ -73,10 +94,16 @@ def build_step(
         lenders=builtin_devices(),
     )
     topology = _topology(scenario)
+    network = scenario_network(scenario, profile)
 
     @cache
     def collective(name: str, nbytes: int, group: GroupKind, dtype: str) -> CollectiveCost:
-        return collective_cost(name, nbytes, topology.shape(group), dtype, profile)
+        shape = topology.shape(group)
+        fabric = None
+        if network is not None and shape.size > 1:
+            sharing = len({topology.group_id(group, r) for r in network.nic_peers(0)})
+            fabric = network.fabric(topology.members(group, 0), sharing)
+        return collective_cost(name, nbytes, shape, dtype, profile, fabric)
 
     step = StepConfig(
         strategy=parallel.strategy,

@@ -27,8 +27,6 @@ def make_profile(
     *,
     overlap: bool = True,
     temp_buffers: bool = False,
-    bus_bw_Bps: float | None = None,
-    latency_s: float | None = None,
     launch_s: float | None = None,
     overlap_slowdown: float | None = None,
     roofline: bool = False,
@@ -45,11 +43,6 @@ def make_profile(
         data["device"]["overlap_slowdown"] = overlap_slowdown
     data["backend"]["overlaps_comm_compute"] = overlap
     data["backend"]["collective_temp_buffers"] = temp_buffers
-    for link in ("intra_node", "inter_node"):
-        if bus_bw_Bps is not None:
-            data["topology"][link]["bus_bw_Bps"] = bus_bw_Bps
-        if latency_s is not None:
-            data["topology"][link]["latency_s"] = latency_s
     if launch_s is not None:
         data["backend"]["collective_launch_s"] = launch_s
     return profile_from_dict(data, "test-profile")

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from calibrate.cli import main, parse_size
+from calibrate.cli import main
 from calibrate.groups import plan_group_families
 from calibrate.sweep_plan import CPU_DEFAULTS, SweepConfig, iters_for, sizes_for
+from sim.cli.parser import parse_size
 from sim.errors import UserError
 from sim.hardware.registry import load_profile
 from sim.hardware.schema import SCHEMA_VERSION

@@ -35,6 +35,7 @@ CATALOG = {
     "aws-p4d",
     "aws-p5",
     "aws-p5en",
+    "gcp-a3",
     "gcp-a3-mega",
     "azure-nd-h100-v5",
 }

@@ -1,5 +1,7 @@
 """The FSDP2 and DDP schedules: what is issued, in which order, and how many bytes it moves."""
 
+from dataclasses import replace
+
 import pytest
 from simtest import make_profile, make_scenario
 
@@ -142,8 +144,9 @@ def test_backward_prefetch_reduces_exposed_communication_when_comm_is_slow():
         "training": {"micro_batch": 1, "seq_len": 4096},
         "parallel": {"world_size": 8},
         "precision": {"param_dtype": "bf16"},
+        "cluster": {"nvlink_factor": 0.1},  # NVLink at a tenth of its rate
     }
-    slow_links = make_profile(bus_bw_Bps=50e9)
+    slow_links = make_profile()
     with_prefetch = build_report(simulate(make_scenario(**base), slow_links)).to_json()
     # premise: gathering the weights takes longer than computing with them
     assert with_prefetch["collectives"]["all_gather"]["time_s"] > with_prefetch["breakdown_s"]["compute"]
@@ -238,7 +241,7 @@ def test_all_gathers_in_flight_are_limited_by_the_copy_out_chain(prefetch, limit
         parallel={"world_size": 8, "forward_prefetch": prefetch},
         precision={"param_dtype": "bf16"},
     )
-    r = simulate(s, make_profile(bus_bw_Bps=5e12))  # communication much faster than compute
+    r = simulate(replace(s, cluster=replace(s.cluster, nvlink_factor=14.0)), make_profile())  # ~5 TB/s
     report = build_report(r).to_json()
     assert report["collectives"]["all_gather"]["time_s"] < 0.1 * report["breakdown_s"]["compute"]
     assert _max_live(r, "all_gather_output") == limit

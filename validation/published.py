@@ -24,9 +24,10 @@ TORCHTITAN = (
     "pytorch/torchtitan docs/performance.md (2024), 64 x A100-80GB SXM, FSDP2, bf16 params, fp32 reduce"
 )
 IBM = "PyTorch/IBM blog 'Maximizing training throughput using PyTorch FSDP' (2024), 128 x A100, 400 Gb/s network"
-TORCHTITAN_NOTE = "network not published: a DGX A100-like cluster (8 x 200 Gb/s HDR per node) is assumed"
+TORCHTITAN_NOTE = "network not published: the built-in dgx-a100 cluster (8 x 200 Gb/s HDR per node, rail-optimized) is assumed"
 IBM_NOTE = (
-    "FSDP1 in the source, simulated as FSDP2 (FSDP1 is not modelled yet); 400 Gb/s per node as 4 x 100 Gb/s"
+    "FSDP1 in the source, simulated as FSDP2 (FSDP1 is not modelled yet); the 400 Gb/s network read as "
+    "400 Gb/s per node: dgx-a100 nodes with 4 x 100 Gb/s NICs (cluster.nics_per_node, cluster.nic_gbps)"
 )
 
 
@@ -64,6 +65,7 @@ def _titan(name: str, preset: str, mb: int, seq: int, ckpt: str, sel: Any, tps: 
 
 
 def _ibm(name: str, tables: dict[str, Any], tps: float) -> PublishedRun:
+    tables["cluster"].update(nics_per_node=4, nic_gbps=100.0)
     return PublishedRun(
         name=f"IBM {name}", source=IBM, tables=tables, tokens_per_s_per_gpu=tps, note=IBM_NOTE
     )

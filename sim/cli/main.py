@@ -8,7 +8,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from sim.cli import presets, profiles, run
+from sim.cli import cluster, comm, presets, profiles, run
 from sim.errors import UserError
 
 # verbs whose modules own their flags: ``main(argv) -> exit code``, imported only when asked for
@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_parser(sub)
     sub.add_parser("presets", help="list model presets and built-in hardware profiles")
     profiles.add_parser(sub)
+    cluster.add_parser(sub)
+    comm.add_parser(sub)
     sub.add_parser("calibrate", help="measure collectives and per-unit compute (see `fsdpsim calibrate -h`)")
     sub.add_parser("validate", help="compare a prediction with a real FSDP2 run (see `fsdpsim validate -h`)")
     sub.add_parser("sweep", help="run a grid of scenario variants (see `fsdpsim sweep -h`)")
@@ -48,7 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] and argv[0] in DELEGATED:
         return _guard(lambda: _delegate(DELEGATED[argv[0]], argv[1:]))
     args = _parser().parse_args(argv)
-    commands = {"run": run.main, "presets": presets.main, "profiles": profiles.main}
+    commands = {
+        "run": run.main,
+        "presets": presets.main,
+        "profiles": profiles.main,
+        "cluster": cluster.main,
+        "comm": comm.main,
+    }
     return _guard(lambda: commands[args.command](args))
 
 

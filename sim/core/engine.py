@@ -186,6 +186,8 @@ class Engine:
                     bytes=op.bytes,
                     group_size=group_size,
                     algorithm=op.algorithm,
+                    protocol=op.protocol,
+                    channels=op.channels,
                 )
             )
             done[op.op_id].succeed()

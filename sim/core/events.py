@@ -71,6 +71,8 @@ class OpRecord:
     bytes: int = 0
     group_size: int = 1
     algorithm: str = ""
+    protocol: str = ""
+    channels: int = 0
 
     @property
     def duration_s(self) -> float:

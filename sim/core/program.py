@@ -41,6 +41,8 @@ class ProgramOp:
     group: GroupKind | None = None  # set for collectives
     bytes: int = 0  # nccl-tests size of a collective
     algorithm: str = ""  # a collective's algorithm, as its cost model chose it
+    protocol: str = ""  # and its protocol (NCCL: LL, LL128, Simple)
+    channels: int = 0  # NCCL channels it uses (0: not modelled)
     # the fraction of a collective's time spent moving bytes over the links its group crosses: what
     # it takes of each of them while it runs at full speed (sim.core.links); 0: no contention
     wire_fraction: float = 0.0
@@ -73,6 +75,8 @@ class Program:
         group: GroupKind | None = None,
         bytes: int = 0,
         algorithm: str = "",
+        protocol: str = "",
+        channels: int = 0,
         wire_fraction: float = 0.0,
         host_async: bool = False,
     ) -> int:
@@ -93,6 +97,8 @@ class Program:
             group=group,
             bytes=bytes,
             algorithm=algorithm,
+            protocol=protocol,
+            channels=channels,
             wire_fraction=wire_fraction,
             host_async=host_async,
         )

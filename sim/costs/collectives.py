@@ -1,5 +1,13 @@
 """Time of one collective, from a hardware profile. Pure functions.
 
+Three models, the first that applies:
+
+1. a curve measured for this collective and group shape (a calibrated profile): interpolated;
+2. on NCCL, with the fabric the group sees on the cluster (``sim.hardware.cluster``): NCCL's own
+   tuner model (``sim.costs.nccl``): channels, algorithm and protocol as NCCL picks them, with
+   what a calibration fitted (``profile.nccl_fit``);
+3. otherwise (gloo, no cluster) the α–β ring of the profile's links.
+
 nccl-tests (doc/PERFORMANCE.md) defines for a collective of ``size`` bytes on n ranks taking t:
 algbw = size / t and busbw = algbw * factor, with factor (n-1)/n for all-gather (size = output)
 and reduce-scatter (size = input) and 2(n-1)/n for all-reduce. Inverting gives the ring model
@@ -12,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.core.topology import GroupShape
+from sim.costs.nccl import nccl_choice
+from sim.hardware.fabric import GroupFabric
 from sim.hardware.schema import CollectiveCurve, HardwareProfile, LinkModel
 
 RING = "ring"  # the α–β model is a ring: each rank sends size * bus_factor over its link
@@ -25,6 +35,7 @@ class CollectiveCost:
     time_s: float
     algorithm: str
     protocol: str = ""
+    channels: int = 0  # NCCL channels the size uses (0: not modelled)
     wire_fraction: float = 0.0  # of the time, the share spent moving bytes (what contends for links)
 
 
@@ -59,12 +70,18 @@ def _curve_time_s(curve: CollectiveCurve, size_bytes: int) -> float:
 
 
 def collective_cost(
-    collective: str, size_bytes: int, group: GroupShape, dtype: str, profile: HardwareProfile
+    collective: str,
+    size_bytes: int,
+    group: GroupShape,
+    dtype: str,
+    profile: HardwareProfile,
+    fabric: GroupFabric | None = None,
 ) -> CollectiveCost:
     """One collective of nccl-tests ``size_bytes`` over ``group``; 0 s for a group of one.
 
     Measured curves and calibrated fits are wall-clock times that already contain the host's
-    launch cost; a datasheet link model does not, so ``collective_launch_s`` is added to it only.
+    launch cost; NCCL's model and a datasheet link model do not, so ``collective_launch_s`` (the
+    host's launch through ProcessGroupNCCL) is added to them.
     """
     if group.size <= 1 or size_bytes <= 0:
         return CollectiveCost(time_s=0.0, algorithm=RING)
@@ -73,8 +90,18 @@ def collective_cost(
         time_s = _curve_time_s(curve, size_bytes)
         wire_s = wire_bytes_per_rank(collective, size_bytes, group.size) / curve.fit.bus_bw_Bps
         return CollectiveCost(time_s=time_s, algorithm=MEASURED, wire_fraction=min(1.0, wire_s / time_s))
-    link = profile.inter_node if group.spans_nodes else profile.intra_node
     launch = 0.0 if profile.calibrated else profile.backend.collective_launch_s
+    if fabric is not None and profile.backend.name == "nccl":
+        choice = nccl_choice(collective, size_bytes, fabric, profile.nccl_fit)
+        wire_s = choice.time_s - choice.latency_s
+        return CollectiveCost(
+            time_s=launch + choice.time_s,
+            algorithm=choice.algorithm,
+            protocol=choice.protocol,
+            channels=choice.channels,
+            wire_fraction=wire_s / (launch + choice.time_s),
+        )
+    link = profile.inter_node if group.spans_nodes else profile.intra_node
     wire_s = wire_bytes_per_rank(collective, size_bytes, group.size) / link.bus_bw_Bps
     time_s = launch + link.latency_s + wire_s
     return CollectiveCost(time_s=time_s, algorithm=RING, wire_fraction=wire_s / time_s)

@@ -52,6 +52,7 @@ from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.hardware.fabric import GroupFabric
 from sim.hardware.json_reader import JsonReader
 from sim.hardware.registry import load_profile
+from sim.hardware.schema import HardwareProfile
 
 FIELDS = (
     "name",
@@ -68,9 +69,15 @@ FIELDS = (
     "nodes_per_leaf",
     "spine_oversubscription",
     "nic_latency_s",
+    "host_cpu",
+    "collnet",
     "sources",
 )
+HOST_CPUS = ("intel", "amd", "arm")
 LINK_KINDS = ("nvlink", "pcie", "nic", "leaf", "spine")
+# PCIe x16 per direction by generation: 8 GT/s (Gen3) doubling per generation, 128b/130b encoding
+# (PCI-SIG base specifications; 63.0 GB/s for Gen5 x16 as NVIDIA's DGX H100 documents give it)
+PCIE_X16_Bps = {gen: 8e9 * 2 ** (gen - 3) * 16 * 128 / 130 / 8 for gen in (3, 4, 5, 6)}
 NODE_LAYERS = {"nvswitch": 0, "gpu": 1, "pcie": 2, "nic": 3, "leaf": 4, "spine": 5}
 Node = tuple[Any, ...]
 
@@ -94,6 +101,8 @@ class ClusterSpec:
     nodes_per_leaf: int
     spine_oversubscription: float = 1.0  # >= 1: leaf uplink capacity = downlink / oversubscription
     nic_latency_s: float | None = None
+    host_cpu: str = "intel"  # NCCL's LL caps and per-step network overhead depend on it (tuning.cc)
+    collnet: bool = False  # in-network reduction (SHARP) switches: NCCL's CollNet algorithms
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -166,6 +175,8 @@ def cluster_from_dict(data: Any, where: str) -> ClusterSpec:
         nodes_per_leaf=_count(r, "nodes_per_leaf"),
         spine_oversubscription=r.number("spine_oversubscription", 1.0, 1.0),
         nic_latency_s=_optional_positive(r, "nic_latency_s", None),
+        host_cpu=r.choice("host_cpu", HOST_CPUS, "intel"),
+        collnet=r.get("collnet", bool, False),
         sources=_sources(r),
     )
     _check_shape(spec, where)
@@ -221,6 +232,32 @@ def _check_shape(spec: ClusterSpec, where: str) -> None:
         )
     if spec.nvswitch and spec.nvlink_bw_Bps is None:
         raise UserError(f"{where}: field nvswitch is true but nvlink_bw_Bps is null")
+
+
+def default_cluster(profile: HardwareProfile, gpus_per_node: int) -> ClusterSpec:
+    """The cluster a profile's GPUs come in: the built-in cluster its ``node.cluster`` names, else
+    nodes of ``gpus_per_node`` GPUs built from its ``node`` section (NVLink, PCIe, NICs), on
+    one leaf per 32 nodes, not rail-optimized. A node without NICs (``nics_per_node`` 0) has
+    no network: a group that spans nodes on it is refused when its fabric is asked for."""
+    node = profile.node
+    if node.cluster is not None:
+        return load_cluster(node.cluster, where=f"profile {profile.name}: field node.cluster")
+    gen = node.pcie_gen or 4
+    nvlink = node.nvlink_bw_Bps
+    return ClusterSpec(
+        name=f"{profile.name} nodes",
+        device_profile=profile.name,
+        gpus_per_node=gpus_per_node,
+        nvlink_domain=gpus_per_node if nvlink else 1,
+        nvlink_bw_Bps=nvlink,
+        nvswitch=node.nvswitch and nvlink is not None,
+        pcie_bw_Bps=PCIE_X16_Bps[gen] * node.pcie_lanes / 16,
+        nics_per_node=node.nics_per_node,
+        nic_gbps=node.nic_gbps or 0.0,
+        gpus_per_nic=gpus_per_node / node.nics_per_node if node.nics_per_node else math.inf,
+        rail_optimized=False,
+        nodes_per_leaf=32,
+    )
 
 
 # -- what-ifs -----------------------------------------------------------------------------------
@@ -336,10 +373,16 @@ def _add_spines(graph: nx.Graph, spec: ClusterSpec) -> None:
 
 
 def group_fabric(
-    spec: ClusterSpec, graph: nx.Graph, members: Sequence[int], gpus_per_node: int
+    spec: ClusterSpec,
+    graph: nx.Graph,
+    members: Sequence[int],
+    gpus_per_node: int,
+    *,
+    arch: str | None = None,
 ) -> GroupFabric:
     """The fabric a process group of global ``members`` ranks sees; rank r runs on node
-    r // ``gpus_per_node``, GPU r % ``gpus_per_node`` (node-major, as torchrun places them)."""
+    r // ``gpus_per_node``, GPU r % ``gpus_per_node`` (node-major, as torchrun places them).
+    ``arch``: the GPUs' architecture (default: the cluster's device profile's)."""
     placement = _placement(spec, graph, members, gpus_per_node)
     per_node = {len(gpus) for gpus in placement.values()}
     if len(per_node) != 1:
@@ -352,7 +395,7 @@ def group_fabric(
         n_ranks=len(members),
         n_nodes=len(placement),
         ranks_per_node=per_node.pop(),
-        arch=load_profile(spec.device_profile).device.architecture,
+        arch=arch or load_profile(spec.device_profile).device.architecture,
         nvlink_bw_Bps=_nvlink_Bps(graph, gpu),
         nvswitch=spec.nvswitch,
         nvlink_domain=spec.nvlink_domain,
@@ -360,6 +403,9 @@ def group_fabric(
         nics_per_node=min(len(v) for v in nics.values()) if multi_node else 0,
         nic_bw_Bps=_capacities(graph, min(nics[first_node]), "nic")[0],
         network_share=1 / spec.spine_oversubscription if multi_node and _crosses_spine(graph, nics) else 1.0,
+        nic_latency_s=spec.nic_latency_s or 0.0,
+        host_cpu="amd" if spec.host_cpu == "amd" else "intel",
+        collnet=spec.collnet,
     )
 
 

@@ -22,7 +22,12 @@ class GroupFabric:
     # across nodes
     nics_per_node: int  # NICs the group's ranks of one node can drive
     nic_bw_Bps: float  # one NIC, per direction
-    network_share: float = (
-        1.0  # fraction of NIC bandwidth the fabric above the NICs delivers (oversubscription)
-    )
-    nccl_version: str = "2.21"
+    # fraction of NIC bandwidth the fabric above the NICs delivers (spine oversubscription)
+    network_share: float = 1.0
+    nic_latency_s: float = 0.0  # the NIC's own latency NCCL adds per network step (graph latencyInter)
+    host_cpu: str = "intel"  # "intel" or "amd": NCCL's LL caps and network overheads depend on it
+    collnet: bool = False  # switches that reduce in the network (SHARP): NCCL's CollNet algorithms
+    # groups of this group's kind whose collectives use each of its NICs at the same time (the
+    # schedule issues the same collective on every group of a kind): 1 unless GPUs of different
+    # groups share a NIC, as two HSDP replicate groups do on a node with a NIC per two GPUs
+    nic_sharing: int = 1

@@ -18,6 +18,7 @@ from sim.hardware.schema import (
     DeviceSpec,
     HardwareProfile,
     LinkModel,
+    NcclFit,
     NodeSpec,
 )
 
@@ -27,6 +28,20 @@ def _link(r: JsonReader) -> LinkModel:
     if latency_s < 0:
         raise UserError(f"{r.where}: field {r.name('latency_s')} must be >= 0, got {latency_s!r}")
     return LinkModel(latency_s=latency_s, bus_bw_Bps=r.positive("bus_bw_Bps"))
+
+
+def _nccl_fit(topo: JsonReader) -> NcclFit:
+    if "nccl_fit" not in topo.data:
+        return NcclFit()
+    f = topo.sub("nccl_fit")
+    return NcclFit(
+        intra_bw_factor=float(f.positive("intra_bw_factor", 1.0)),
+        inter_bw_factor=float(f.positive("inter_bw_factor", 1.0)),
+        intra_latency_factor=float(f.positive("intra_latency_factor", 1.0)),
+        inter_latency_factor=float(f.positive("inter_latency_factor", 1.0)),
+        extra_latency_s=f.number("extra_latency_s", 0.0, 0.0),
+        source=f.get("source", str, ""),
+    )
 
 
 def _dtype(value: str, where: str, name: str) -> str:
@@ -133,6 +148,7 @@ def _node(r: JsonReader) -> NodeSpec:
         nics_per_node=int(n.number("nics_per_node", 0.0, 0)),
         nic_gbps=n.number("nic_gbps", 0.0, 0.0),
         host_memory_bytes=None if host is None else int(n.positive("host_memory_bytes")),
+        cluster=n.get("cluster", str, None),
     )
 
 
@@ -169,6 +185,7 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
         gpus_per_node=int(topo.positive("gpus_per_node")),
         intra_node=_link(topo.sub("intra_node")),
         inter_node=_link(topo.sub("inter_node")),
+        nccl_fit=_nccl_fit(topo),
         collectives=tuple(_curve(c, where, i) for i, c in enumerate(r.get("collectives", list, []))),
         compute=parse_compute_section(compute, where) if compute is not None else None,
         node=_node(r),

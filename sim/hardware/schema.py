@@ -27,6 +27,22 @@ class LinkModel:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NcclFit:
+    """What a calibration fitted to measured collectives, applied inside NCCL's own cost model
+    (``sim.costs.nccl``); 1.0 and 0.0 leave the model as NCCL has it. Bandwidth factors multiply
+    the per-channel bandwidths inside and between nodes, latency factors the per-step hardware
+    latencies; ``extra_latency_s`` is added to every collective. ``source`` says what was fitted
+    to what (measurements, group shapes, residuals)."""
+
+    intra_bw_factor: float = 1.0
+    inter_bw_factor: float = 1.0
+    intra_latency_factor: float = 1.0
+    inter_latency_factor: float = 1.0
+    extra_latency_s: float = 0.0
+    source: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CollectiveCurve:
     """Measured time against message size for one (collective, group size, dtype, spans-nodes).
 
@@ -89,6 +105,7 @@ class NodeSpec:
     nics_per_node: int = 0
     nic_gbps: float = 0.0
     host_memory_bytes: int | None = None
+    cluster: str | None = None  # the built-in cluster (sim/hardware/clusters) these nodes come from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +134,7 @@ class HardwareProfile:
     source: Mapping[str, Any] = field(default_factory=dict)
     compute: ComputeSection | None = None  # per-unit measurements from ``calibrate compute``
     node: NodeSpec = field(default_factory=NodeSpec)
+    nccl_fit: NcclFit = field(default_factory=NcclFit)  # topology.nccl_fit, from calibration
 
     def curve(
         self, collective: str, group_size: int, dtype: str, spans_nodes: bool

@@ -138,6 +138,10 @@ def op_event(rank: int, op: OpRecord, names: TraceNames) -> dict[str, Any]:
         if op.kind is not OpKind.ALL_GATHER:
             args["dtype"] = names.reduce_dtype
         args["algorithm"] = op.algorithm
+        if op.protocol:
+            args["protocol"] = op.protocol
+        if op.channels:
+            args["channels"] = op.channels
         args["bytes"] = op.bytes
         args["wait for slowest rank (us)"] = (op.start_s - op.ready_s) * US_PER_S
     gloo_collective = op.kind.is_collective and names.backend == "gloo"

@@ -127,6 +127,11 @@ def op_hover(op: OpRecord) -> str:
     ]
     if op.kind.is_collective:
         lines.append(f"{fmt_bytes(op.bytes)} over {op.group_size} ranks")
+        if op.algorithm:
+            how = " · ".join(
+                x for x in (op.algorithm, op.protocol, f"{op.channels} channels" if op.channels else "") if x
+            )
+            lines.append(f"algorithm: {how}")
         lines.append(f"waited {(op.start_s - op.ready_s) * MS_PER_S:.3f} ms for the slowest rank")
     return "<br>".join(lines)
 

@@ -9,7 +9,7 @@ import difflib
 import tomllib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, fields, replace
 from enum import StrEnum
 from pathlib import Path
@@ -17,6 +17,7 @@ from typing import Any
 
 from sim.dtypes import canonical_dtype
 from sim.errors import UserError
+from sim.hardware.cluster import ClusterSpec, load_cluster
 from sim.hardware.registry import load_profile
 from sim.scenario.sections import SECTIONS, ClusterSection, ModelSection, Scenario
 from sim.workload.model import ModelConfig, preset
@@ -108,8 +109,7 @@ def _check(s: Scenario, where: str) -> None:
     positive("parallel.world_size", p.world_size)
     positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb)
     _check_selective(s, where)
-    if s.cluster.device_memory_gib is not None:
-        positive("cluster.device_memory_gib", s.cluster.device_memory_gib)
+    _check_cluster(s, where, positive)
     if p.forward_prefetch < 0 or p.backward_prefetch < 0:
         raise UserError(f"{where}: parallel.forward_prefetch and parallel.backward_prefetch must be >= 0")
     for name in ("param_dtype", "reduce_dtype"):
@@ -139,6 +139,18 @@ def _check(s: Scenario, where: str) -> None:
         )
 
 
+def _check_cluster(s: Scenario, where: str, positive: Callable[[str, float], None]) -> None:
+    c = s.cluster
+    for name in ("device_memory_gib", "nics_per_node", "nic_gbps", "nic_factor", "nvlink_factor"):
+        value = getattr(c, name)
+        if value is not None:
+            positive(f"cluster.{name}", value)
+    if c.spine_oversubscription is not None and c.spine_oversubscription < 1:
+        raise UserError(
+            f"{where}: cluster.spine_oversubscription must be >= 1, got {c.spine_oversubscription}"
+        )
+
+
 def _check_selective(s: Scenario, where: str) -> None:
     value = s.checkpointing.selective
     if value != "op" and not (isinstance(value, int) and value >= 1):
@@ -148,8 +160,21 @@ def _check_selective(s: Scenario, where: str) -> None:
         )
 
 
-def _gpus_per_node(cluster: ClusterSection, where: str) -> int:
-    """``cluster.gpus_per_node`` when given, else the profile's (the profile is read here, once)."""
+def _cluster(raw: Any, cluster: ClusterSection, where: str) -> tuple[ClusterSection, ClusterSpec | None]:
+    """The cluster ``cluster.name`` names, read here once; its GPUs' profile when the scenario
+    names no profile of its own."""
+    if cluster.name is None:
+        return cluster, None
+    spec = load_cluster(cluster.name, where=f"{where}: cluster.name")
+    if "profile" not in (raw if isinstance(raw, dict) else {}):
+        cluster = replace(cluster, profile=spec.device_profile)
+    return cluster, spec
+
+
+def _gpus_per_node(cluster: ClusterSection, spec: ClusterSpec | None, where: str) -> int:
+    """``cluster.gpus_per_node`` when given, else the cluster's, else the profile's (read here, once)."""
+    if cluster.gpus_per_node is None and spec is not None:
+        return spec.gpus_per_node
     if cluster.gpus_per_node is None:
         return load_profile(cluster.profile, where=f"{where}: cluster.profile").gpus_per_node
     if cluster.gpus_per_node <= 0:
@@ -187,8 +212,13 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
             raise UserError(f"{where}: unknown section [{name}]{_did_you_mean(name, list(SECTIONS))}")
     built = {name: _build_section(name, cls, data.get(name, {}), where) for name, cls in SECTIONS.items()}
     model = _resolve_model(built.pop("model"), where)
+    built["cluster"], spec = _cluster(data.get("cluster", {}), built["cluster"], where)
     scenario = Scenario(
-        source=where, model=model, gpus_per_node=_gpus_per_node(built["cluster"], where), **built
+        source=where,
+        model=model,
+        gpus_per_node=_gpus_per_node(built["cluster"], spec, where),
+        cluster_spec=spec,
+        **built,
     )
     _check(scenario, where)
     return scenario

@@ -8,6 +8,7 @@ a ``Scenario`` never reads a file.
 
 from dataclasses import dataclass
 
+from sim.hardware.cluster import ClusterSpec
 from sim.workload.model import ModelConfig
 from sim.workload.options import CheckpointMode, OptimizerName, Strategy, WrapPolicy
 
@@ -68,7 +69,16 @@ class CheckpointingSection:
 @dataclass(frozen=True, kw_only=True)
 class ClusterSection:
     profile: str = "h100-sxm"  # built-in profile name or path to a calibrated JSON profile
-    gpus_per_node: int | None = None  # default: the profile's
+    # the nodes and network (sim/hardware/clusters: dgx-h100, aws-p5, ...) or a cluster JSON file;
+    # default: the cluster the profile names (node.cluster), else nodes built from its node section
+    name: str | None = None
+    gpus_per_node: int | None = None  # ranks per node; default: the cluster's, else the profile's
+    # what-ifs on the cluster: other NICs, a degraded network, an oversubscribed spine
+    nics_per_node: int | None = None
+    nic_gbps: float | None = None
+    nic_factor: float = 1.0  # NICs at this fraction of their rate (a ring runs at its slowest link)
+    nvlink_factor: float = 1.0
+    spine_oversubscription: float | None = None
     compute_scaling: bool = False  # accept a compute section measured at other dimensions, scaled
     device_memory_gib: float | None = None  # override the profile's device memory (GiB, 2**30 bytes)
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -105,7 +115,8 @@ class Scenario:
     checkpointing: CheckpointingSection
     cluster: ClusterSection
     simulation: SimulationSection
-    gpus_per_node: int  # cluster.gpus_per_node, else the profile's; resolved at load
+    gpus_per_node: int  # cluster.gpus_per_node, else the cluster's or the profile's; resolved at load
+    cluster_spec: ClusterSpec | None = None  # the cluster cluster.name names, read at load
 
     @property
     def param_dtype(self) -> str:

@@ -121,6 +121,8 @@ class DdpScheduleBuilder(ScheduleBuilder):
                 group=GroupKind.REPLICATE,
                 bytes=nbytes,
                 algorithm=cost.algorithm,
+                protocol=cost.protocol,
+                channels=cost.channels,
                 wire_fraction=cost.wire_fraction,
                 host_async=True,
             )

@@ -126,6 +126,8 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             group=group,
             bytes=nbytes,
             algorithm=cost.algorithm,
+            protocol=cost.protocol,
+            channels=cost.channels,
             wire_fraction=cost.wire_fraction,
         )
         self.last_collective[group] = op

@@ -1,0 +1,489 @@
+"""One collective's time as NCCL's own tuner estimates it, on the fabric one process group sees.
+
+NCCL (NVIDIA/nccl@5067397, the revision every constant here is read from) picks, for each
+collective and size, the algorithm and protocol whose modelled time is least. Its model has two
+halves, both reproduced here:
+
+- **The topology search** (``src/graph/search.cc`` ``ncclTopoCompute``) finds *channels* (rings or
+  trees laid over the GPUs, entering and leaving a node through a NIC) and a per-channel bandwidth
+  ``bw``, trying the speeds of a per-architecture table from the fastest down and keeping the
+  largest ``nChannels × bw`` the links allow; ``ncclTopoDupChannels`` then doubles the channels at
+  half the speed. ``ring_graph`` and ``nvls_graph`` redo that search on the ``GroupFabric``: each
+  channel takes ``bw`` of every GPU's NVLink (NVLS: the head twice), and ``bw`` of the NIC it
+  crosses (NIC and its PCIe link, whichever is slower).
+- **The cost model** (``src/graph/tuning.cc`` ``ncclTopoTuneModel`` and ``ncclTopoGetAlgoTime``):
+  per (algorithm, protocol) a bus bandwidth from the channels, capped and scaled by protocol
+  (LL moves half its bytes as flags, LL128 120 of 128), converted to algorithm bandwidth, and a
+  latency of a base plus one hardware latency per step of the pattern: a ring pays
+  ``nRanks - 1`` steps (all-reduce twice), of which ``nNodes - 1`` cross the network, a tree
+  ``log2(nNodes)`` network hops. time = latency + bytes / algorithm bandwidth.
+
+Links are in NCCL's own units (``src/graph/topo.h``, ``topo.cc``): NVLink as links × a
+per-architecture rate (20 GB/s on sm80, 20.6 on sm90, 40.1 on sm100), PCIe Gen3/4/5 x16 as
+12/24/48 GB/s (lanes × GT/s / 80), a NIC as its line rate / 8. ``NcclFit`` carries what a
+calibration fitted (``calibrate.topology_fit``): factors on the per-channel bandwidths and
+latencies, so that measurements on a few nodes extrapolate through the same model.
+
+What is not modelled: CollNet needs SHARP switches (``GroupFabric.collnet``, off by default as in
+NCCL); PAT only runs with one GPU per node (as NCCL enables it); tuner plugins and NCCL_ALGO /
+NCCL_PROTO overrides; the medium-size dip real rings show below ~64 MB (NCCL's model does not have
+it either).
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+from sim.hardware.fabric import GroupFabric
+from sim.hardware.schema import NcclFit
+
+US = 1e-6  # NCCL's latencies are in microseconds
+GB = 1e9  # and its bandwidths in GB/s (10^9 B/s)
+
+ALGORITHMS = ("tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls_tree", "pat")
+PROTOCOLS = ("LL", "LL128", "Simple")
+
+# tuning.cc ncclTunerConstantsDefaults.baseLatencies [algorithm][protocol], microseconds
+BASE_LATENCY_US = {
+    "tree": (6.8, 14.0, 8.4),
+    "ring": (6.6, 14.0, 8.4),
+    "collnet_direct": (0.0, 0.0, 0.0),
+    "collnet_chain": (0.0, 0.0, 0.0),
+    "nvls": (0.0, 0.0, 0.0),
+    "nvls_tree": (0.0, 0.0, 0.0),
+    "pat": (8.0, 8.0, 8.0),
+}
+# tuning.cc hwLatencies [hardware][algorithm][protocol], microseconds per step
+HW_LATENCY_US = {
+    "nvlink": {
+        "tree": (0.6, 1.25, 4.0),
+        "ring": (0.6, 1.9, 3.4),
+        "collnet_direct": (0.0, 0.0, 3.7),
+        "collnet_chain": (0.0, 0.0, 2.8),
+        "nvls": (0.0, 0.0, 25.0),
+        "nvls_tree": (0.0, 0.0, 25.0),
+        "pat": (0.0, 0.0, 4.0),
+    },
+    "pci": {
+        "tree": (1.0, 1.9, 4.0),
+        "ring": (1.0, 2.5, 5.7),
+        "collnet_direct": (0.0, 0.0, 3.7),
+        "collnet_chain": (0.0, 0.0, 2.8),
+        "nvls": (0.0, 0.0, 0.0),
+        "nvls_tree": (0.0, 0.0, 0.0),
+        "pat": (0.0, 0.0, 4.0),
+    },
+    "net": {
+        "tree": (5.0, 8.5, 14.0),
+        "ring": (2.7, 4.0, 14.0),
+        "collnet_direct": (0.0, 0.0, 31.0),
+        "collnet_chain": (0.0, 0.0, 30.0),
+        "nvls": (0.0, 0.0, 18.0),
+        "nvls_tree": (0.0, 0.0, 20.9),
+        "pat": (0.0, 0.0, 14.0),
+    },
+}
+# tuning.cc llMaxBws: rows Volta/Ampere/Hopper/Blackwell for one node (by GPU), and for several
+# nodes Intel (row 0) or AMD (row 1) hosts; columns 1 node, 2 nodes, more
+LL_MAX_BW = ((39.0, 39.0, 20.4), (87.7, 22.5, 19.0), (141.0, 45.0, 35.0), (282.0, 90.0, 70.0))
+# per-channel caps, rows Volta/Ampere/Hopper/Blackwell, columns 1 node, 2 nodes, more
+PER_CH_MAX_RING_LL128_BW = ((20.0, 20.0, 20.0), (20.0, 20.0, 20.0), (36.7, 36.7, 36.7), (40.0, 40.0, 40.0))
+PER_CH_MAX_TREE_LL128_BW = ((20.0, 20.0, 20.0), (20.0, 20.0, 20.0), (36.7, 36.7, 29.0), (55.6, 31.67, 20.0))
+PER_CH_MAX_TREE_BW = ((26.5, 18.5, 10.0), (24.0, 23.6, 17.8), (38.7, 41.4, 36.0), (70.0, 42.8, 24.0))
+PER_CH_MAX_NVLS_TREE_BW = ((26.5, 18.5, 10.0), (24.0, 23.6, 17.8), (0.0, 57.7, 45.5), (0.0, 96.0, 80.0))
+NVLS_EFFICIENCY = (0.0, 0.0, 0.85, 0.74)  # tuning.cc nvlsEfficiency, by compute-capability row
+# tuning.cc treeCorrectionFactor [protocol][log2(bytes / 64)], all-reduce trees of medium sizes
+TREE_CORRECTION = (
+    (1.0, 1.0, 1.0, 1.0, 0.9, 0.8, 0.7, 0.7, 0.7, 0.7, 0.6, 0.5, 0.4, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0),
+    (1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.8, 0.8, 0.8, 0.7, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.8, 0.9, 0.9, 0.9, 0.9, 1.0, 1.0, 1.0),
+    (0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.8, 0.7, 0.6, 0.6, 0.5, 0.5, 0.5, 0.5, 0.6, 0.7, 0.8, 0.7, 0.7, 0.8, 0.9, 0.9, 0.9),
+)  # fmt: skip
+# search.cc speed arrays (GB/s per channel), tried from the fastest down
+SPEEDS_INTRA = {
+    "sm80": (40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0),
+    "sm90": (60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0),
+    "sm100": (90.0, 80.0, 70.0, 60.0, 50.0, 45.0, 40.0, 30.0, 24.0, 20.0, 19.0, 18.0),
+}
+SPEEDS_INTER = {
+    "sm80": (48.0, 30.0, 28.0, 24.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.4, 1.2, 0.24, 0.12),
+    "sm90": (48.0, 45.0, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5, 15.0, 12.0, 6.0, 3.0, 2.4, 1.2, 0.24, 0.12),
+    "sm100": (96.0, 86.0, 80.0, 48.0, 45.1, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5, 15.0, 12.0, 6.0, 3.0, 2.4, 1.2, 0.24, 0.12),
+}  # fmt: skip
+MAX_RING_CHANNELS = 32  # init.cc: ringGraph->maxChannels = MAXCHANNELS / 2, MAXCHANNELS = 64 (device.h)
+NVLS_MAX_ARITY = 32  # device.h NCCL_MAX_NVLS_ARITY: NVLS channels <= min(32, GPUs)
+# topo.h per-link NVLink rates NCCL assumes, and the physical per-direction rate of one link
+# (NVLink 3 and 4: 25 GB/s; NVLink 5: 50 GB/s), to count a GPU's links from its total bandwidth
+NVLINK_NCCL_GBPS = {"sm80": 20.0, "sm86": 12.0, "sm90": 20.6, "sm100": 40.1}
+NVLINK_PHYSICAL_LINK_GBPS = {"sm80": 25.0, "sm86": 25.0, "sm90": 25.0, "sm100": 50.0}
+# topo.cc: PCIe bandwidth = lanes × GT/s / 80 GB/s, i.e. 48 for Gen5 x16 whose line rate is 63 GB/s
+# per direction (32 GT/s × 16 × 128/130 / 8): NCCL counts 48/63 of the physical rate
+PCIE_NCCL_PER_PHYSICAL = 48.0 / 63.0
+# thread counts and per-thread thresholds (device.h, comm.h) for the channels a size uses
+MAX_THREADS = {"LL": 512, "LL128": 640, "Simple": 512}
+THREAD_THRESHOLD = {"LL": 8, "LL128": 8, "Simple": 64}
+# tuning.cc getNetOverhead: microseconds of proxy work per network step, by host CPU
+NET_OVERHEAD_US = {"intel": 1.0, "amd": 2.0}
+
+
+NO_FIT = NcclFit()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChannelGraph:
+    """A searched graph: channels and their per-channel bandwidth inside and between nodes (GB/s)."""
+
+    n_channels: int
+    bw_intra: float
+    bw_inter: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class NcclChoice:
+    """The algorithm and protocol NCCL picks, the channels the size uses, and the modelled time."""
+
+    time_s: float
+    algorithm: str
+    protocol: str
+    channels: int
+    bus_bw_Bps: float  # the algorithm's bus bandwidth (what nccl-tests reports for large sizes)
+    latency_s: float
+
+    @property
+    def wire_fraction(self) -> float:
+        """Share of the time spent moving bytes (the rest is latency, which contends for nothing)."""
+        return 0.0 if self.time_s <= 0 else max(0.0, 1.0 - self.latency_s / self.time_s)
+
+
+def cc_row(arch: str) -> int:
+    """The compute-capability row of NCCL's tables: Volta, Ampere, Hopper, Blackwell."""
+    major = _sm(arch) // 10
+    return 3 if major >= 10 else 2 if major >= 9 else 1 if major >= 8 else 0
+
+
+def _sm(arch: str) -> int:
+    """``sm90`` -> 90; a part NCCL's tables do not know (e.g. AMD's gfx942) counts as sm80."""
+    return int(arch[2:]) if arch.startswith("sm") and arch[2:].isdigit() else 80
+
+
+def _speed_family(arch: str) -> str:
+    sm = _sm(arch)
+    return "sm100" if sm >= 100 else "sm90" if sm >= 90 else "sm80"
+
+
+def nvlink_total_gbps(fabric: GroupFabric) -> float:
+    """A GPU's NVLink bandwidth as NCCL counts it (links × per-link rate), 0 without NVLink."""
+    if fabric.nvlink_bw_Bps is None:
+        return 0.0
+    family = fabric.arch if fabric.arch in NVLINK_NCCL_GBPS else _speed_family(fabric.arch)
+    links = round(fabric.nvlink_bw_Bps / GB / NVLINK_PHYSICAL_LINK_GBPS[family])
+    return max(1, links) * NVLINK_NCCL_GBPS[family]
+
+
+def pcie_gbps(fabric: GroupFabric) -> float:
+    return fabric.pcie_bw_Bps / GB * PCIE_NCCL_PER_PHYSICAL
+
+
+def nic_gbps(fabric: GroupFabric) -> float:
+    """What one NIC carries for this group: its line rate, or its PCIe link if slower, times the
+    share the fabric above it delivers (spine oversubscription), split between the groups of the
+    same kind that drive it at the same time (two GPUs of different HSDP replicate groups on one
+    NIC each get half of it)."""
+    return min(fabric.nic_bw_Bps / GB, pcie_gbps(fabric)) * fabric.network_share / fabric.nic_sharing
+
+
+def _intra_capacity(fabric: GroupFabric) -> float:
+    """Per-GPU bandwidth the channels inside a node share: NVLink, else PCIe."""
+    return nvlink_total_gbps(fabric) or pcie_gbps(fabric)
+
+
+def _ring_channels(fabric: GroupFabric, speed: float, multi_node: bool) -> int:
+    """The most ring channels of ``speed`` GB/s the links carry (search.cc's recursive search
+    adds channels until a link runs out)."""
+    n = MAX_RING_CHANNELS
+    if fabric.ranks_per_node > 1:
+        n = min(n, math.floor(_intra_capacity(fabric) / speed + 1e-9))
+    if multi_node:
+        per_nic = math.floor(nic_gbps(fabric) / speed + 1e-9)
+        n = min(n, per_nic * fabric.nics_per_node)
+        if fabric.ranks_per_node == 1:  # every channel leaves through the one GPU's PCIe link
+            n = min(n, math.floor(pcie_gbps(fabric) / speed + 1e-9))
+    return max(0, n)
+
+
+def _search(
+    speeds: tuple[float, ...], max_bw: float, total_bw: float, channels: Callable[[float], int]
+) -> tuple[int, float, int]:
+    """search.cc pass 1: from the first speed the paths allow, keep the best nChannels × speed;
+    go on to a slower speed while it is more than 0.49 of the best found, stop once the
+    channels carry the GPU's whole bandwidth. Returns (channels, speed, index of the speed)."""
+    i = next((k for k, s in enumerate(speeds) if s <= max_bw), len(speeds) - 1)
+    best: tuple[int, float, int] = (0, 0.0, i)
+    while True:
+        n = channels(speeds[i])
+        if n * speeds[i] > best[0] * best[1]:
+            best = (n, speeds[i], i)
+        if best[0] and best[0] * best[1] >= total_bw:
+            break
+        if i + 1 >= len(speeds) or (best[0] and speeds[i + 1] / best[1] <= 0.49):
+            break
+        i += 1
+    if best[0] == 0:  # nothing fits: one channel at the slowest speed (search.cc's fallback order)
+        return 1, speeds[-1], len(speeds) - 1
+    return best
+
+
+@cache
+def ring_graph(fabric: GroupFabric) -> ChannelGraph:
+    """The ring (and tree: same channel count, init.cc) graph of ``fabric``: search, then
+    ``ncclTopoDupChannels`` (double the channels at half the speed when a channel is at least
+    25 GB/s, unless on sm90+ it is below 50 with more than 4 channels), then pass 2's try of a
+    faster speed at the same channel count."""
+    multi = fabric.n_nodes > 1
+    family = _speed_family(fabric.arch)
+    speeds = SPEEDS_INTER[family] if multi else SPEEDS_INTRA[family]
+    intra = _intra_capacity(fabric)
+    max_bw = min(nic_gbps(fabric), pcie_gbps(fabric)) if multi else intra
+    total_bw = intra if fabric.ranks_per_node > 1 else max_bw
+    n, bw, i = _search(speeds, max_bw, total_bw, lambda s: _ring_channels(fabric, s, multi))
+    if bw >= 25.0 and not (_sm(fabric.arch) > 80 and bw < 50.0 and n > 4):
+        dup = min(2 * n, MAX_RING_CHANNELS)
+        bw /= math.ceil(dup / n)
+        n = dup
+        i = next((k for k, s in enumerate(speeds) if s <= bw), i)
+    while i > 0 and _ring_channels(fabric, speeds[i - 1], multi) >= n:
+        i -= 1
+        bw = speeds[i]
+    return ChannelGraph(n_channels=n, bw_intra=bw, bw_inter=bw)
+
+
+@cache
+def nvls_graph(fabric: GroupFabric) -> ChannelGraph | None:
+    """NVLS (NVLink SHARP, sm90+ with an NVSwitch): one channel per GPU of the node (up to 32),
+    each loading every GPU's NVLink once and its head's twice, so ``(GPUs + 1) × bw`` must fit;
+    pass 2 then raises the network-side speed while it is below twice the NVLink-side one
+    (search.cc). Across nodes every head sends through its own NIC."""
+    if not fabric.nvswitch or _sm(fabric.arch) < 90 or fabric.ranks_per_node < 2:
+        return None
+    multi = fabric.n_nodes > 1
+    family = _speed_family(fabric.arch)
+    speeds = SPEEDS_INTER[family] if multi else SPEEDS_INTRA[family]
+    n = min(NVLS_MAX_ARITY, fabric.ranks_per_node)
+    intra = nvlink_total_gbps(fabric)
+    i = next((k for k, s in enumerate(speeds) if (fabric.ranks_per_node + 1) * s <= intra + 1e-9), None)
+    if i is None:
+        return None
+    bw_intra = speeds[i]
+    inter_cap = nic_gbps(fabric) * fabric.nics_per_node / n if multi else math.inf
+    if multi and bw_intra > inter_cap:
+        return None
+    j = i
+    while j > 0 and speeds[j] < 2 * bw_intra and speeds[j - 1] <= inter_cap:
+        j -= 1
+    return ChannelGraph(n_channels=n, bw_intra=bw_intra, bw_inter=speeds[j])
+
+
+def _columns(fabric: GroupFabric) -> tuple[int, int, int]:
+    """(compute-capability row, LL row, node column) of the tables."""
+    row = cc_row(fabric.arch)
+    ll_row = row if fabric.n_nodes == 1 else (1 if fabric.host_cpu == "amd" else 0)
+    return row, ll_row, min(fabric.n_nodes, 3) - 1
+
+
+def _steps(collective: str, n_ranks: int) -> int:
+    return 2 * (n_ranks - 1) if collective == "all_reduce" else n_ranks - 1
+
+
+def _enabled(collective: str, algorithm: str, protocol: str, fabric: GroupFabric) -> bool:
+    """Which pairs NCCL considers (tuning.cc and enqueue.cc's updateCollCostTable): all-gather and
+    reduce-scatter run as ring, PAT (one GPU per node), NVLS (inside one node) or CollNet; NVLS
+    and NVLS-tree only with Simple; LL128 on NVLink (or without intra-node links) and sm80+."""
+    if collective in ("all_gather", "reduce_scatter"):
+        if algorithm not in ("ring", "pat", "nvls", "collnet_direct"):
+            return False
+        if algorithm == "pat" and (protocol != "Simple" or fabric.n_nodes != fabric.n_ranks):
+            return False
+        if algorithm == "nvls" and fabric.n_nodes > 1:
+            return False  # needs CollNet's network offload across nodes
+    elif algorithm == "pat":
+        return False
+    if algorithm in ("nvls", "nvls_tree", "collnet_direct", "collnet_chain") and protocol != "Simple":
+        return False
+    if algorithm.startswith("collnet") and not (fabric.collnet and fabric.n_nodes > 1):
+        return False
+    if algorithm == "nvls_tree" and fabric.n_nodes == 1:
+        return False
+    if algorithm == "nvls" and fabric.n_nodes > 1 and not fabric.collnet:
+        return False
+    if protocol == "LL128":
+        on_nvlink = fabric.nvlink_bw_Bps is not None or fabric.ranks_per_node == 1
+        return on_nvlink and _sm(fabric.arch) >= 70
+    return True
+
+
+def _bus_bw(collective: str, algorithm: str, protocol: str, fabric: GroupFabric, fit: NcclFit) -> float:
+    """tuning.cc's per-(algorithm, protocol) bandwidth in GB/s, before the algorithm-bandwidth
+    conversion; 0 where the algorithm cannot run."""
+    row, ll_row, col = _columns(fabric)
+    multi = fabric.n_nodes > 1
+    if algorithm in ("nvls", "nvls_tree"):
+        graph = nvls_graph(fabric)
+        if graph is None or graph.n_channels < 2:
+            return 0.0
+        intra = (
+            graph.bw_intra
+            * fit.intra_bw_factor
+            * NVLS_EFFICIENCY[row]
+            * (graph.n_channels - 1)
+            / graph.n_channels
+        )
+        ppn = fabric.ranks_per_node
+        intra *= 2.0 if collective == "all_reduce" else (ppn - 1) / ppn
+        inter = (
+            graph.bw_inter
+            * fit.inter_bw_factor
+            * (2 if fabric.n_nodes <= 2 and algorithm == "nvls_tree" else 1)
+        )
+        bw = min(intra, inter if multi or algorithm == "nvls_tree" else math.inf)
+        if algorithm == "nvls_tree":
+            bw = min(bw, PER_CH_MAX_NVLS_TREE_BW[row][col])
+        return graph.n_channels * bw
+    graph = ring_graph(fabric)
+    per_channel = (
+        graph.bw_intra * fit.intra_bw_factor if fabric.n_nodes <= 2 else graph.bw_inter * fit.inter_bw_factor
+    )
+    bus = graph.n_channels * per_channel
+    n = graph.n_channels
+    if algorithm == "ring" and protocol == "LL":
+        bus = min(LL_MAX_BW[ll_row][col], bus * 0.5)
+    if algorithm == "ring" and protocol == "LL128":
+        bus = min(bus * 0.92, n * PER_CH_MAX_RING_LL128_BW[row][col])
+    if algorithm == "tree":
+        if collective == "all_reduce":
+            bus = min(bus * 0.92, n * PER_CH_MAX_TREE_BW[row][col])
+        if protocol == "LL":
+            bus = min(bus / 3.8, LL_MAX_BW[ll_row][col])
+        if protocol == "LL128":
+            bus = min(
+                bus * (7.0 / 9.0 if not multi else 120.0 / 128.0), n * PER_CH_MAX_TREE_LL128_BW[row][col]
+            )
+        if _sm(fabric.arch) >= 90 and multi:
+            bus *= 0.85  # sm90's search falls back to the simpler TREE pattern (search.cc)
+    if algorithm == "pat":
+        bus *= 0.75
+    if algorithm == "collnet_direct":
+        if collective in ("all_gather", "reduce_scatter"):
+            return fabric.ranks_per_node * min(graph.bw_intra, graph.bw_inter * 0.9)
+        factor = fabric.ranks_per_node / n
+        bus /= factor - (factor - 1) / 2
+        if _sm(fabric.arch) >= 90:
+            bus *= 0.85
+    return bus
+
+
+def _algorithm_bw(collective: str, algorithm: str, bus_gbps: float, n_ranks: int) -> float:
+    """tuning.cc's conversion to algorithm bandwidth (bytes of the collective's size per µs×1e3)."""
+    if algorithm != "ring" and collective in ("all_gather", "reduce_scatter"):
+        return bus_gbps
+    if algorithm in ("ring", "nvls", "nvls_tree"):
+        return bus_gbps * n_ranks / _steps(collective, n_ranks)
+    return bus_gbps * 0.5
+
+
+def _latency_us(collective: str, algorithm: str, protocol: str, fabric: GroupFabric, fit: NcclFit) -> float:
+    """tuning.cc's latency: a base per (algorithm, protocol) plus the pattern's hardware steps."""
+    p = PROTOCOLS.index(protocol)
+    n, nodes, ppn = fabric.n_ranks, fabric.n_nodes, fabric.ranks_per_node
+    intra_hw = "nvlink" if fabric.nvlink_bw_Bps is not None else "pci"
+    intra = HW_LATENCY_US[intra_hw][algorithm][p] * fit.intra_latency_factor
+    net_algorithm = "tree" if ppn == 1 else algorithm  # with one GPU per node latencies are exposed
+    inter = (HW_LATENCY_US["net"][net_algorithm][p] + fabric.nic_latency_s / US) * fit.inter_latency_factor
+    if protocol == "Simple":
+        inter += fabric.nic_latency_s / US  # the flush
+    base = BASE_LATENCY_US[algorithm][p]
+    log_nodes = int(math.log2(nodes))
+    if algorithm == "ring":
+        overhead = NET_OVERHEAD_US[fabric.host_cpu] * (3 if protocol == "Simple" else 1) if nodes > 1 else 0.0
+        intra = max(intra, overhead)
+        steps = _steps(collective, n)
+        inter_steps = 0 if nodes == 1 else (2 * (nodes - 1) if collective == "all_reduce" else nodes - 1)
+        return base + (steps - inter_steps) * intra + inter_steps * inter
+    if algorithm == "tree":
+        return base + 2 * ((ppn - 1) * intra + log_nodes * inter) if collective == "all_reduce" else math.inf
+    if algorithm == "collnet_direct":
+        return base + 2 * (min(1, ppn - 1) * intra + (ppn - 1) * 0.4) + inter
+    if algorithm == "collnet_chain":
+        return base + 2 * (ppn - 1) * intra + inter
+    if algorithm == "nvls":
+        return intra + (inter if nodes > 1 else 0.0)
+    if algorithm == "nvls_tree":
+        return base + intra + 2 * log_nodes * inter
+    # PAT (all-gather, reduce-scatter): logarithmic in nodes, and still a linear part per rank
+    return base + log_nodes * (inter / 3.5) + n * 2.8
+
+
+def _time_us(
+    collective: str, algorithm: str, protocol: str, size_bytes: int, fabric: GroupFabric, fit: NcclFit
+) -> tuple[float, float, float]:
+    """(time, latency, bus bandwidth) in µs, µs and GB/s, as ncclTopoGetAlgoTime; time is inf where
+    the pair does not run."""
+    if not _enabled(collective, algorithm, protocol, fabric):
+        return math.inf, math.inf, 0.0
+    bus = _bus_bw(collective, algorithm, protocol, fabric, fit)
+    if bus <= 0:
+        return math.inf, math.inf, 0.0
+    bw = _algorithm_bw(collective, algorithm, bus, fabric.n_ranks)
+    latency = _latency_us(collective, algorithm, protocol, fabric, fit)
+    log_size = int(math.log2(size_bytes >> 6)) if size_bytes >> 6 else -1
+    if algorithm == "tree" and collective == "all_reduce" and 0 <= log_size < 23:
+        bw *= TREE_CORRECTION[PROTOCOLS.index(protocol)][log_size]
+    channels = ring_graph(fabric).n_channels
+    if (
+        algorithm == "ring"
+        and protocol == "Simple"
+        and fabric.n_nodes > 1
+        and collective == "all_reduce"
+        and size_bytes / (channels * fabric.n_ranks) >= 64
+    ):
+        latency *= 1.9 if _sm(fabric.arch) < 80 else 1.4  # the ring's plateau (tuning.cc)
+    return latency + size_bytes / (1e3 * bw), latency, bus
+
+
+def _channels_used(algorithm: str, protocol: str, size_bytes: int, fabric: GroupFabric) -> int:
+    """enqueue.cc topoGetAlgoInfo: NVLS uses its own channels; rings and trees drop channels while
+    the size is under channels × threads × the per-thread threshold."""
+    if algorithm in ("nvls", "nvls_tree"):
+        graph = nvls_graph(fabric)
+        return graph.n_channels if graph else 1
+    channels = ring_graph(fabric).n_channels
+    threads, threshold = MAX_THREADS[protocol], THREAD_THRESHOLD[protocol]
+    if algorithm == "ring" and protocol == "LL":
+        threshold *= fabric.n_ranks
+    while channels > 1 and size_bytes < channels * threads * threshold:
+        channels -= 1
+    return channels
+
+
+def nccl_choice(collective: str, size_bytes: int, fabric: GroupFabric, fit: NcclFit = NO_FIT) -> NcclChoice:
+    """The (algorithm, protocol) of least modelled time for nccl-tests ``size_bytes`` (all-gather
+    output, reduce-scatter input, all-reduce buffer), as NCCL picks it; its time includes
+    ``fit.extra_latency_s``."""
+    if fabric.n_ranks <= 1 or size_bytes <= 0:
+        return NcclChoice(
+            time_s=0.0, algorithm="ring", protocol="Simple", channels=0, bus_bw_Bps=0.0, latency_s=0.0
+        )
+    best = min(
+        (_time_us(collective, a, p, size_bytes, fabric, fit), a, p) for a in ALGORITHMS for p in PROTOCOLS
+    )
+    (time_us, latency_us, bus), algorithm, protocol = best
+    if math.isinf(time_us):
+        raise ValueError(f"no NCCL algorithm runs {collective} on {fabric}")
+    extra = fit.extra_latency_s
+    return NcclChoice(
+        time_s=time_us * US + extra,
+        algorithm=algorithm,
+        protocol=protocol,
+        channels=_channels_used(algorithm, protocol, size_bytes, fabric),
+        bus_bw_Bps=bus * GB,
+        latency_s=latency_us * US + extra,
+    )
