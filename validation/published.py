@@ -17,6 +17,7 @@ from sim.fileio import write_text_atomic
 from sim.outputs.report import StepReport, build_report
 from sim.scenario.loader import scenario_from_dict
 from sim.simulate import simulate
+from validation.published_network import network_section
 
 BEGIN, END = "<!-- published:begin -->", "<!-- published:end -->"
 TARGET_MEDIAN, TARGET_WORST = 0.10, 0.20
@@ -138,7 +139,7 @@ def published_section(runs: list[PublishedRun] = RUNS) -> str:
         "Sources and assumptions:",
     ]
     lines += sorted({f"- {run.source}; {run.note}" for run in runs})
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + network_section()
 
 
 def write_published(path: str | Path = "VALIDATION.md") -> str:
