@@ -48,6 +48,16 @@ def _topology(scenario: Scenario) -> Topology:
     )
 
 
+def _variability(scenario: Scenario) -> Variability:
+    sim = scenario.simulation
+    return Variability(
+        seed=sim.seed,
+        compute_jitter=sim.compute_jitter,
+        slow_rank=sim.slow_rank,
+        slow_rank_factor=sim.slow_rank_factor,
+    )
+
+
 def scenario_network(scenario: Scenario, profile: HardwareProfile) -> Network | None:
     """The cluster the scenario's ranks run on, with its what-ifs; None where collectives are not
     NCCL's (gloo: the profile's measured curves and links)."""
@@ -68,9 +78,10 @@ def scenario_network(scenario: Scenario, profile: HardwareProfile) -> Network | 
 
 
 def build_step(
-    scenario: Scenario, profile: HardwareProfile
+    scenario: Scenario, profile: HardwareProfile, network: Network | None = None
 ) -> tuple[StepConfig, Topology, Sequence[LayerOp]]:
-    """Everything the schedule builders need, from a scenario and a profile."""
+    """Everything the schedule builders need, from a scenario and a profile (and the scenario's
+    network on that profile, ``scenario_network``, when the caller has it already)."""
     model, training, parallel = scenario.model, scenario.training, scenario.parallel
     workload = Workload(
         micro_batch=training.micro_batch,
@@ -94,14 +105,19 @@ def build_step(
         lenders=builtin_devices(),
     )
     topology = _topology(scenario)
-    network = scenario_network(scenario, profile)
+    network = network or scenario_network(scenario, profile)
+
+    identical = _variability(scenario).ranks_identical
 
     @cache
     def collective(name: str, nbytes: int, group: GroupKind, dtype: str) -> CollectiveCost:
         shape = topology.shape(group)
         fabric = None
         if network is not None and shape.size > 1:
-            sharing = len({topology.group_id(group, r) for r in network.nic_peers(0)})
+            # rank 0's group stands for every group of its kind; those that share its NIC are not
+            # simulated when ranks are identical, so their share of the NIC is taken here
+            peers = network.nic_peers(0) if identical else (0,)
+            sharing = len({topology.group_id(group, r) for r in peers})
             fabric = network.fabric(topology.members(group, 0), sharing)
         return collective_cost(name, nbytes, shape, dtype, profile, fabric)
 
@@ -149,21 +165,18 @@ def simulate(scenario: Scenario, profile: HardwareProfile | None = None) -> SimR
     """Simulate one optimizer step (all micro-batches) of ``scenario``; ``profile`` defaults to
     the scenario's ``cluster.profile``."""
     profile = scenario_profile(scenario, profile)
-    step, topology, ops = build_step(scenario, profile)
+    network = scenario_network(scenario, profile)
+    step, topology, ops = build_step(scenario, profile, network)
     program = build_fsdp2_program(step) if step.sharded else build_ddp_program(step)
-    sim = scenario.simulation
-    variability = Variability(
-        seed=sim.seed,
-        compute_jitter=sim.compute_jitter,
-        slow_rank=sim.slow_rank,
-        slow_rank_factor=sim.slow_rank_factor,
-    )
     table = run_program(
         program,
         topology,
-        variability,
+        _variability(scenario),
         serial=not profile.backend.overlaps_comm_compute,
         interference=profile.compute_slowdown_during_collective,
+        group_links=None
+        if network is None
+        else lambda kind, rank: network.links(topology.members(kind, rank)),
     )
     return SimResult(
         scenario=scenario, profile=profile, step=step, layer_ops=ops, program=program, events=table

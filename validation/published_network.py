@@ -157,7 +157,7 @@ def _check_row(check: CollectiveCheck) -> tuple[str, bool]:
     )
 
 
-SCALING_MODEL = {
+SCALING_MODEL: dict[str, dict[str, Any]] = {
     "model": {"preset": "llama2-7b"},
     "training": {"micro_batch": 2, "seq_len": 4096},
     "parallel": {"strategy": "FULL_SHARD", "wrap": "block"},

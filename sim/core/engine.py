@@ -7,7 +7,7 @@ When every rank would behave identically (no jitter, no slow rank) it simulates 
 each collective then starts as soon as rank 0 reaches it, which is exactly when all ranks do.
 """
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +19,7 @@ from sim.core.program import Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
 
 COMPUTE_KINDS = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.RECOMPUTE, OpKind.OPTIMIZER})
+GroupLinks = Callable[[GroupKind, int], tuple[Hashable, ...]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +75,7 @@ class _Rendezvous:
         start = self.env.now
         self.on_change(ranks, +1)
         if flow.share > 0:
-            yield from self.links.transfer(duration_s, flow.share, flow.links)
+            yield from self.links.transfer(duration_s, flow.share, flow.links, flow.key)
         else:
             yield self.env.timeout(duration_s)
         self.on_change(ranks, -1)
@@ -90,10 +91,14 @@ class Engine:
         *,
         serial: bool,
         interference: float = 1.0,
+        group_links: GroupLinks | None = None,
     ):
         """``interference``: how much slower compute runs while a collective runs on the same rank
-        (NCCL kernels take SMs; gloo threads take cores), from the profile's calibration."""
+        (NCCL kernels take SMs; gloo threads take cores), from the profile's calibration.
+        ``group_links``: the links a rank's group of a kind crosses (default: the topology's
+        per-node links)."""
         self.program, self.topology, self.serial = program, topology, serial
+        self.group_links: GroupLinks = group_links or topology.links
         self.interference = 1.0 if serial else interference
         k = topology.world_size
         self.ranks = [0] if variability.ranks_identical else list(range(k))
@@ -157,7 +162,7 @@ class Engine:
                 gid, simulated_members, group_size = self._group(op.group, rank)
                 seq = self.group_seq[rank].get(gid, 0)
                 self.group_seq[rank][gid] = seq + 1
-                flow = Flow(share=op.wire_fraction, links=self.topology.links(op.group, rank))
+                flow = Flow(share=op.wire_fraction, links=self.group_links(op.group, rank), key=gid)
                 arrived = yield self.rendezvous.arrive((gid, seq), rank, simulated_members, duration, flow)
                 start = float(arrived)  # type: ignore[arg-type]
             else:
@@ -248,7 +253,15 @@ class Engine:
 
 
 def run_program(
-    program: Program, topology: Topology, variability: Variability, *, serial: bool, interference: float = 1.0
+    program: Program,
+    topology: Topology,
+    variability: Variability,
+    *,
+    serial: bool,
+    interference: float = 1.0,
+    group_links: GroupLinks | None = None,
 ) -> EventTable:
     """Simulate one step and return its event table."""
-    return Engine(program, topology, variability, serial=serial, interference=interference).run()
+    return Engine(
+        program, topology, variability, serial=serial, interference=interference, group_links=group_links
+    ).run()

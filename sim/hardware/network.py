@@ -3,6 +3,7 @@ process group sees on that graph (``sim.hardware.cluster``). Graphs and fabrics 
 per cluster and group, and shared by every simulation of a process (a sweep's points)."""
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -28,6 +29,12 @@ class Network:
         with ``nic_sharing`` - 1 other groups running the same collectives."""
         return replace(_fabric(self, members), nic_sharing=nic_sharing)
 
+    def links(self, members: tuple[int, ...]) -> tuple[Hashable, ...]:
+        """The links the group's collectives cross on the graph: every node's NVLink domain where
+        the group has several GPUs on it, and every NIC its GPUs send through (``sim.core.links``
+        shares them between the collectives in flight)."""
+        return _links(self, members)
+
     def nic_peers(self, rank: int) -> tuple[int, ...]:
         """The ranks whose GPUs send through the NIC(s) of ``rank``'s GPU (``rank`` included):
         local GPU i uses NIC i · NICs // GPUs when GPUs share NICs (the graph's PCIe layout)."""
@@ -49,6 +56,32 @@ def _graph(spec: ClusterSpec, n_nodes: int) -> nx.Graph:
 @cache
 def _fabric(network: Network, members: tuple[int, ...]) -> GroupFabric:
     return group_fabric(network.spec, network.graph, members, network.ranks_per_node, arch=network.arch)
+
+
+@cache
+def _links(network: Network, members: tuple[int, ...]) -> tuple[Hashable, ...]:
+    per_node: dict[int, list[int]] = {}
+    for rank in members:
+        node, local = divmod(rank, network.ranks_per_node)
+        per_node.setdefault(node, []).append(local)
+    multi_node = len(per_node) > 1
+    graph = network.graph
+    links: list[Hashable] = []
+    for node, gpus in per_node.items():
+        if len(gpus) > 1:
+            links.append(("nvlink", node))
+        if multi_node:
+            links += sorted(
+                {
+                    nic
+                    for g in gpus
+                    for sw in graph[("gpu", node, g)]
+                    if sw[0] == "pcie"
+                    for nic in graph[sw]
+                    if nic[0] == "nic"
+                }
+            )
+    return tuple(links)
 
 
 def job_network(
