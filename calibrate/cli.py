@@ -95,6 +95,12 @@ def _add_comm(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--base", help="with --from-nccl-tests: profile (built-in name or file) giving device and backend"
     )
+    p.add_argument(
+        "--cluster",
+        help="built-in cluster (or cluster JSON) the measurements ran on: NCCL's cost model is fitted "
+        "to them on its graph, so the profile extrapolates to other node counts (default: the base "
+        "profile's cluster)",
+    )
     p.add_argument("--fault", type=_fault, help=argparse.SUPPRESS)
 
 

@@ -25,7 +25,14 @@ def run_comm_command(args: argparse.Namespace, command: str) -> None:
     if args.from_nccl_tests:
         from calibrate.nccl_import import import_nccl_tests
 
-        import_nccl_tests(args.from_nccl_tests, out=args.out, name=name, base=args.base, command=command)
+        import_nccl_tests(
+            args.from_nccl_tests,
+            out=args.out,
+            name=name,
+            base=args.base,
+            command=command,
+            cluster=args.cluster,
+        )
         return
     env = rank_env()
     if env is None:
@@ -50,5 +57,6 @@ def run_comm_command(args: argparse.Namespace, command: str) -> None:
         shard_size=args.shard_size,
         fault=args.fault,
         command=command,
+        cluster=args.cluster,
     )
     run_comm(req, env)

@@ -17,6 +17,7 @@ from calibrate.dist_env import RankEnv, init_distributed, mean_over_ranks, versi
 from calibrate.fit import fit_curve
 from calibrate.groups import GroupFamily, plan_group_families
 from calibrate.profile_io import comm_profile, write_profile_atomic
+from calibrate.topology_fit import attach_nccl_fit
 from calibrate.records import Curve, CurveKey, Point
 from calibrate.sweep_plan import CPU_DEFAULTS, GPU_DEFAULTS, SweepConfig
 from calibrate.watchdog import Watchdog
@@ -46,6 +47,7 @@ class CommRequest:
     shard_size: int | None
     fault: Fault | None
     command: str
+    cluster: str | None = None  # the cluster measured on, for the NCCL model's fit
 
 
 def resolve_sweep(req: CommRequest, device_type: str) -> SweepConfig:
@@ -97,7 +99,11 @@ def sweep_all(req: CommRequest, cfg: SweepConfig, env: RankEnv, device: Any, dog
         for collective in cfg.collectives:
             for dtype in cfg.dtypes:
                 key = CurveKey(
-                    collective=collective, group_size=fam.size, dtype=dtype, spans_nodes=fam.spans_nodes
+                    collective=collective,
+                    group_size=fam.size,
+                    dtype=dtype,
+                    spans_nodes=fam.spans_nodes,
+                    ranks_per_node=fam.ranks_per_node,
                 )
                 points: list[Point] = []
                 for size in sizes_for(cfg, fam.size, dtype):
@@ -199,6 +205,7 @@ def _write(
         source=src,
         topology_dtype=cfg.dtypes[0],
     )
+    doc["source"]["nccl_fit"] = attach_nccl_fit(doc, req.cluster, str(req.out))
     write_profile_atomic(req.out, doc)
     print(f"wrote {req.out} ({len(curves)} curves, {time.perf_counter() - started:.1f} s)", flush=True)
 

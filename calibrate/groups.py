@@ -27,6 +27,8 @@ class GroupFamily:
     groups: tuple[tuple[int, ...], ...]
     spans_nodes: bool
 
+    ranks_per_node: int  # of a group, on each node it spans
+
     @property
     def size(self) -> int:
         return len(self.groups[0])
@@ -40,10 +42,12 @@ def _spans(ranks: tuple[int, ...], ranks_per_node: int) -> bool:
 
 
 def _family(kind: str, groups: list[tuple[int, ...]], ranks_per_node: int) -> GroupFamily:
+    first = groups[0]
     return GroupFamily(
         kind=kind,
         groups=tuple(groups),
         spans_nodes=any(_spans(g, ranks_per_node) for g in groups),
+        ranks_per_node=len(first) // len({r // ranks_per_node for r in first}),
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from calibrate.nccl_tests import curves_from_runs, parse_file
 from calibrate.profile_io import topology_links, write_profile_atomic
+from calibrate.topology_fit import attach_nccl_fit
 from calibrate.records import Curve
 from sim.errors import UserError
 from sim.hardware.builtin import BUILTIN_PROFILES
@@ -40,7 +41,9 @@ def _merge_topology(doc: dict[str, Any], curves: list[Curve]) -> dict[str, str]:
     return notes
 
 
-def import_nccl_tests(files: list[Path], *, out: Path, name: str, base: str | None, command: str) -> None:
+def import_nccl_tests(
+    files: list[Path], *, out: Path, name: str, base: str | None, command: str, cluster: str | None = None
+) -> None:
     runs = [parse_file(f) for f in files]
     curves, skipped = curves_from_runs(runs)
     if not curves:
@@ -69,5 +72,8 @@ def import_nccl_tests(files: list[Path], *, out: Path, name: str, base: str | No
         "command": command,
         "topology": notes,
     }
+    doc["source"]["nccl_fit"] = attach_nccl_fit(doc, cluster, str(out))
     write_profile_atomic(out, doc)
-    print(f"wrote {out} ({len(curves)} curves from {len(files)} nccl-tests files)")
+    print(
+        f"wrote {out} ({len(curves)} curves from {len(files)} nccl-tests files); {doc['source']['nccl_fit']}"
+    )

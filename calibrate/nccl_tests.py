@@ -253,8 +253,13 @@ def curves_from_runs(runs: list[NcclTestsRun]) -> tuple[list[Curve], list[str]]:
             if dtype is None:
                 skipped.add(f"{run.path}: type {row.dtype_name}")
                 continue
+            nodes = max(1, len(run.hosts))
             key = CurveKey(
-                collective=run.collective, group_size=run.ranks, dtype=dtype, spans_nodes=len(run.hosts) > 1
+                collective=run.collective,
+                group_size=run.ranks,
+                dtype=dtype,
+                spans_nodes=nodes > 1,
+                ranks_per_node=run.ranks // nodes if run.ranks % nodes == 0 else None,
             )
             grouped.setdefault(key, {}).setdefault(row.size, []).append(row)
             sources.setdefault(key, set()).add(run.path)

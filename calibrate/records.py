@@ -20,6 +20,7 @@ class CurveKey:
     group_size: int
     dtype: str
     spans_nodes: bool
+    ranks_per_node: int | None = None  # the group's ranks on each node it spans, where known
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +109,7 @@ class Curve:
             "group_size": self.key.group_size,
             "dtype": self.key.dtype,
             "spans_nodes": self.key.spans_nodes,
+            **({"ranks_per_node": self.key.ranks_per_node} if self.key.ranks_per_node else {}),
             "source": self.source,
             "points": [p.to_dict(self.key) for p in self.points],
             "fit": self.fit.to_dict(),

@@ -86,6 +86,11 @@ def test_import_writes_a_profile_the_simulator_loads(tmp_path: Path) -> None:
     assert prof.device.name.startswith("NVIDIA H100")  # from the base profile
     doc = json.loads(out.read_text())
     assert doc["source"]["nodes"] == 2 and doc["source"]["nccl_version"] == "2.26.2"
+    # NCCL's model fitted to the imported curves on the base profile's cluster: the synthesized
+    # 42-45 GB/s across two H100 nodes (one NIC's worth, not eight) shows as a low inter factor
+    assert prof.node.cluster == "dgx-h100"
+    assert prof.nccl_fit.inter_bw_factor < 0.2 < prof.nccl_fit.intra_bw_factor
+    assert "1 node(s) x 8, 2 node(s) x 8" in prof.nccl_fit.source
 
 
 def test_import_without_a_device_source_is_refused(

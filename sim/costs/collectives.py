@@ -85,7 +85,8 @@ def collective_cost(
     """
     if group.size <= 1 or size_bytes <= 0:
         return CollectiveCost(time_s=0.0, algorithm=RING)
-    curve = profile.curve(collective, group.size, dtype, group.spans_nodes)
+    rpn = fabric.ranks_per_node if fabric is not None else None
+    curve = profile.curve(collective, group.size, dtype, group.spans_nodes, rpn)
     if curve is not None:
         time_s = _curve_time_s(curve, size_bytes)
         wire_s = wire_bytes_per_rank(collective, size_bytes, group.size) / curve.fit.bus_bw_Bps

@@ -326,33 +326,23 @@ def _bus_bw(collective: str, algorithm: str, protocol: str, fabric: GroupFabric,
     conversion; 0 where the algorithm cannot run."""
     row, ll_row, col = _columns(fabric)
     multi = fabric.n_nodes > 1
+    # a calibration's factors: on the graph found inside a node, or on the one across nodes
+    factor = fit.inter_bw_factor if multi else fit.intra_bw_factor
     if algorithm in ("nvls", "nvls_tree"):
-        graph = nvls_graph(fabric)
-        if graph is None or graph.n_channels < 2:
+        nvls = nvls_graph(fabric)
+        if nvls is None or nvls.n_channels < 2:
             return 0.0
-        intra = (
-            graph.bw_intra
-            * fit.intra_bw_factor
-            * NVLS_EFFICIENCY[row]
-            * (graph.n_channels - 1)
-            / graph.n_channels
-        )
+        intra = nvls.bw_intra * NVLS_EFFICIENCY[row] * (nvls.n_channels - 1) / nvls.n_channels
         ppn = fabric.ranks_per_node
         intra *= 2.0 if collective == "all_reduce" else (ppn - 1) / ppn
-        inter = (
-            graph.bw_inter
-            * fit.inter_bw_factor
-            * (2 if fabric.n_nodes <= 2 and algorithm == "nvls_tree" else 1)
-        )
-        bw = min(intra, inter if multi or algorithm == "nvls_tree" else math.inf)
+        inter = nvls.bw_inter * (2 if fabric.n_nodes <= 2 and algorithm == "nvls_tree" else 1)
+        bw = min(intra, inter) * factor
         if algorithm == "nvls_tree":
             bw = min(bw, PER_CH_MAX_NVLS_TREE_BW[row][col])
-        return graph.n_channels * bw
+        return nvls.n_channels * bw
     graph = ring_graph(fabric)
-    per_channel = (
-        graph.bw_intra * fit.intra_bw_factor if fabric.n_nodes <= 2 else graph.bw_inter * fit.inter_bw_factor
-    )
-    bus = graph.n_channels * per_channel
+    per_channel = graph.bw_intra if fabric.n_nodes <= 2 else graph.bw_inter
+    bus = graph.n_channels * per_channel * factor
     n = graph.n_channels
     if algorithm == "ring" and protocol == "LL":
         bus = min(LL_MAX_BW[ll_row][col], bus * 0.5)

@@ -58,6 +58,7 @@ class CollectiveCurve:
     sizes_bytes: tuple[int, ...]
     times_s: tuple[float, ...]
     fit: LinkModel
+    ranks_per_node: int | None = None  # the group's ranks on each of its nodes, where recorded
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,13 +138,22 @@ class HardwareProfile:
     nccl_fit: NcclFit = field(default_factory=NcclFit)  # topology.nccl_fit, from calibration
 
     def curve(
-        self, collective: str, group_size: int, dtype: str, spans_nodes: bool
+        self,
+        collective: str,
+        group_size: int,
+        dtype: str,
+        spans_nodes: bool,
+        ranks_per_node: int | None = None,
     ) -> CollectiveCurve | None:
-        """The measured curve for this case; a curve of another dtype is used if this one is missing."""
+        """The measured curve for this case; a curve of another dtype is used if this one is missing.
+        With ``ranks_per_node``, a curve that records another layout of the group does not match."""
         same_shape = [
             c
             for c in self.collectives
-            if c.collective == collective and c.group_size == group_size and c.spans_nodes == spans_nodes
+            if c.collective == collective
+            and c.group_size == group_size
+            and c.spans_nodes == spans_nodes
+            and (ranks_per_node is None or c.ranks_per_node in (None, ranks_per_node))
         ]
         exact = [c for c in same_shape if c.dtype == dtype]
         candidates = exact or same_shape
