@@ -17,9 +17,9 @@ from calibrate.dist_env import RankEnv, init_distributed, mean_over_ranks, versi
 from calibrate.fit import fit_curve
 from calibrate.groups import GroupFamily, plan_group_families
 from calibrate.profile_io import comm_profile, write_profile_atomic
-from calibrate.topology_fit import attach_nccl_fit
 from calibrate.records import Curve, CurveKey, Point
 from calibrate.sweep_plan import CPU_DEFAULTS, GPU_DEFAULTS, SweepConfig
+from calibrate.topology_fit import attach_nccl_fit
 from calibrate.watchdog import Watchdog
 from sim.errors import UserError
 

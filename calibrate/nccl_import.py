@@ -12,8 +12,8 @@ from typing import Any
 
 from calibrate.nccl_tests import curves_from_runs, parse_file
 from calibrate.profile_io import topology_links, write_profile_atomic
-from calibrate.topology_fit import attach_nccl_fit
 from calibrate.records import Curve
+from calibrate.topology_fit import attach_nccl_fit
 from sim.errors import UserError
 from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.hardware.registry import profile_document, read_profile_document

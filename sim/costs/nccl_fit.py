@@ -78,7 +78,8 @@ def _fit_of(x: Sequence[float]) -> NcclFit:
 def objective(points: Sequence[FitPoint], fit: NcclFit) -> float:
     """Mean squared log-ratio of the model's times to the measured ones."""
     return sum(
-        math.log(nccl_choice(p.collective, p.size_bytes, p.fabric, fit).time_s / p.time_s) ** 2 for p in points
+        math.log(nccl_choice(p.collective, p.size_bytes, p.fabric, fit).time_s / p.time_s) ** 2
+        for p in points
     ) / len(points)
 
 

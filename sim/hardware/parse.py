@@ -69,7 +69,9 @@ def _curve(raw: Any, where: str, index: int) -> CollectiveCurve:
         sizes_bytes=sizes,
         times_s=times,
         fit=_link(r.sub("fit")),
-        ranks_per_node=None if r.get("ranks_per_node", int, None) is None else int(r.positive("ranks_per_node")),
+        ranks_per_node=None
+        if r.get("ranks_per_node", int, None) is None
+        else int(r.positive("ranks_per_node")),
     )
 
 
