@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 
-from sim.core.engine import Variability, run_program
-from sim.core.events import EventTable
-from sim.core.program import Program
+from sim.core.engine import GroupCost, Variability, run_program
+from sim.core.events import EventTable, OpKind
+from sim.core.program import Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
 from sim.costs.collectives import CollectiveCost, collective_cost
 from sim.costs.compute import build_compute_costs
@@ -48,13 +48,14 @@ def _topology(scenario: Scenario) -> Topology:
     )
 
 
-def _variability(scenario: Scenario) -> Variability:
+def _variability(scenario: Scenario, network: Network | None) -> Variability:
     sim = scenario.simulation
     return Variability(
         seed=sim.seed,
         compute_jitter=sim.compute_jitter,
         slow_rank=sim.slow_rank,
         slow_rank_factor=sim.slow_rank_factor,
+        links_identical=network is None or network.links_identical,
     )
 
 
@@ -63,7 +64,7 @@ def scenario_network(scenario: Scenario, profile: HardwareProfile) -> Network | 
     NCCL's (gloo: the profile's measured curves and links)."""
     if profile.backend.name != "nccl":
         return None
-    c = scenario.cluster
+    c, s = scenario.cluster, scenario.simulation
     return job_network(
         scenario.cluster_spec or default_cluster(profile, scenario.gpus_per_node),
         world_size=scenario.parallel.world_size,
@@ -74,6 +75,10 @@ def scenario_network(scenario: Scenario, profile: HardwareProfile) -> Network | 
         nic_factor=c.nic_factor,
         nvlink_factor=c.nvlink_factor,
         spine_oversubscription=c.spine_oversubscription,
+        nic_jitter=s.nic_jitter,
+        seed=s.seed,
+        slow_nic=None if s.slow_nic_node is None else (s.slow_nic_node, s.slow_nic),
+        slow_nic_factor=s.slow_nic_factor,
     )
 
 
@@ -107,7 +112,7 @@ def build_step(
     topology = _topology(scenario)
     network = network or scenario_network(scenario, profile)
 
-    identical = _variability(scenario).ranks_identical
+    identical = _variability(scenario, network).ranks_identical
 
     @cache
     def collective(name: str, nbytes: int, group: GroupKind, dtype: str) -> CollectiveCost:
@@ -150,6 +155,28 @@ def build_step(
     return step, topology, ops
 
 
+def _group_cost(
+    scenario: Scenario, profile: HardwareProfile, network: Network, topology: Topology
+) -> GroupCost:
+    """Where groups of a kind cross NICs of different speeds: each rank's group's own collective
+    time (the program holds rank 0's; what it adds to it, FSDP2's copy overheads, is kept)."""
+
+    @cache
+    def cost(kind: OpKind, nbytes: int, group: GroupKind, rank: int) -> CollectiveCost:
+        dtype = scenario.param_dtype if kind is OpKind.ALL_GATHER else scenario.reduce_dtype
+        members = topology.members(group, rank)
+        fabric = network.fabric(members)
+        return collective_cost(kind.value, nbytes, topology.shape(group, rank), dtype, profile, fabric)
+
+    def per_rank(op: ProgramOp, rank: int) -> tuple[float, float]:
+        assert op.group is not None
+        first = topology.members(op.group, rank)[0]
+        base, mine = cost(op.kind, op.bytes, op.group, 0), cost(op.kind, op.bytes, op.group, first)
+        return op.duration_s - base.time_s + mine.time_s, mine.wire_fraction
+
+    return per_rank
+
+
 def scenario_profile(scenario: Scenario, profile: HardwareProfile | None = None) -> HardwareProfile:
     """``profile`` (default: the scenario's ``cluster.profile``) with the scenario's own device
     memory when ``cluster.device_memory_gib`` is set."""
@@ -171,12 +198,15 @@ def simulate(scenario: Scenario, profile: HardwareProfile | None = None) -> SimR
     table = run_program(
         program,
         topology,
-        _variability(scenario),
+        _variability(scenario, network),
         serial=not profile.backend.overlaps_comm_compute,
         interference=profile.compute_slowdown_during_collective,
         group_links=None
         if network is None
         else lambda kind, rank: network.links(topology.members(kind, rank)),
+        group_cost=None
+        if network is None or network.links_identical
+        else _group_cost(scenario, profile, network, topology),
     )
     return SimResult(
         scenario=scenario, profile=profile, step=step, layer_ops=ops, program=program, events=table

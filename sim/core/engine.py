@@ -20,6 +20,8 @@ from sim.core.topology import GroupKind, Topology
 
 COMPUTE_KINDS = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.RECOMPUTE, OpKind.OPTIMIZER})
 GroupLinks = Callable[[GroupKind, int], tuple[Hashable, ...]]
+# (duration, wire fraction) of a collective on ``rank``'s group where groups of a kind differ
+GroupCost = Callable[[ProgramOp, int], tuple[float, float]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,10 +32,12 @@ class Variability:
     compute_jitter: float = 0.0
     slow_rank: int | None = None
     slow_rank_factor: float = 1.0
+    links_identical: bool = True  # False: groups of one kind cross links of different speeds
 
     @property
     def ranks_identical(self) -> bool:
-        return self.compute_jitter == 0 and (self.slow_rank is None or self.slow_rank_factor == 1.0)
+        same_compute = self.compute_jitter == 0 and (self.slow_rank is None or self.slow_rank_factor == 1.0)
+        return same_compute and self.links_identical
 
     def compute_multipliers(self, world_size: int, n_ops: int) -> np.ndarray:
         """Factor on each op's duration per rank; one generator per run, drawn in rank order."""
@@ -92,13 +96,16 @@ class Engine:
         serial: bool,
         interference: float = 1.0,
         group_links: GroupLinks | None = None,
+        group_cost: GroupCost | None = None,
     ):
         """``interference``: how much slower compute runs while a collective runs on the same rank
         (NCCL kernels take SMs; gloo threads take cores), from the profile's calibration.
         ``group_links``: the links a rank's group of a kind crosses (default: the topology's
-        per-node links)."""
+        per-node links). ``group_cost``: a collective's duration and wire fraction on a given rank's
+        group, where groups of a kind cross links of different speeds (default: the program's)."""
         self.program, self.topology, self.serial = program, topology, serial
         self.group_links: GroupLinks = group_links or topology.links
+        self.group_cost = group_cost
         self.interference = 1.0 if serial else interference
         k = topology.world_size
         self.ranks = [0] if variability.ranks_identical else list(range(k))
@@ -162,7 +169,10 @@ class Engine:
                 gid, simulated_members, group_size = self._group(op.group, rank)
                 seq = self.group_seq[rank].get(gid, 0)
                 self.group_seq[rank][gid] = seq + 1
-                flow = Flow(share=op.wire_fraction, links=self.group_links(op.group, rank), key=gid)
+                share = op.wire_fraction
+                if self.group_cost is not None:
+                    duration, share = self.group_cost(op, rank)
+                flow = Flow(share=share, links=self.group_links(op.group, rank), key=gid)
                 arrived = yield self.rendezvous.arrive((gid, seq), rank, simulated_members, duration, flow)
                 start = float(arrived)  # type: ignore[arg-type]
             else:
@@ -260,8 +270,15 @@ def run_program(
     serial: bool,
     interference: float = 1.0,
     group_links: GroupLinks | None = None,
+    group_cost: GroupCost | None = None,
 ) -> EventTable:
     """Simulate one step and return its event table."""
     return Engine(
-        program, topology, variability, serial=serial, interference=interference, group_links=group_links
+        program,
+        topology,
+        variability,
+        serial=serial,
+        interference=interference,
+        group_links=group_links,
+        group_cost=group_cost,
     ).run()

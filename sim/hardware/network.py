@@ -8,8 +8,10 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 import networkx as nx
+import numpy as np
 
-from sim.hardware.cluster import ClusterSpec, cluster_graph, degraded, group_fabric
+from sim.errors import UserError
+from sim.hardware.cluster import ClusterSpec, Node, cluster_graph, degraded, group_fabric
 from sim.hardware.fabric import GroupFabric
 
 
@@ -19,6 +21,17 @@ class Network:
     n_nodes: int
     ranks_per_node: int  # ranks placed on each node (node-major), at most the cluster's GPUs
     arch: str  # the GPUs' architecture, from the profile simulated (it may not be the cluster's own)
+    # what-ifs that make links differ: each NIC's rate × a draw from N(1, nic_jitter) (clipped to
+    # [0.05, 2], one seeded draw per NIC), and one NIC (node, index) at slow_nic_factor of its rate
+    nic_jitter: float = 0.0
+    seed: int = 0
+    slow_nic: tuple[int, int] | None = None
+    slow_nic_factor: float = 1.0
+
+    @property
+    def links_identical(self) -> bool:
+        """Whether every group of a kind sees the same links (then one rank stands for all)."""
+        return self.nic_jitter == 0 and (self.slow_nic is None or self.slow_nic_factor == 1.0)
 
     @property
     def graph(self) -> nx.Graph:
@@ -55,7 +68,30 @@ def _graph(spec: ClusterSpec, n_nodes: int) -> nx.Graph:
 
 @cache
 def _fabric(network: Network, members: tuple[int, ...]) -> GroupFabric:
-    return group_fabric(network.spec, network.graph, members, network.ranks_per_node, arch=network.arch)
+    fabric = group_fabric(network.spec, network.graph, members, network.ranks_per_node, arch=network.arch)
+    if network.links_identical or fabric.n_nodes == 1:
+        return fabric
+    factors = _nic_factors(network)
+    # a ring splits its bytes evenly over its channels and ends with the slowest one
+    slowest = min(factors[link] for link in _links(network, members) if link in factors)
+    return replace(fabric, nic_bw_Bps=fabric.nic_bw_Bps * slowest)
+
+
+@cache
+def _nic_factors(network: Network) -> dict[Node, float]:
+    """Each NIC's factor on its rate (``Network``'s what-ifs), by graph vertex ("nic", node, k)."""
+    nics: list[Node] = [
+        ("nic", node, k) for node in range(network.n_nodes) for k in range(network.spec.nics_per_node)
+    ]
+    factors: dict[Node, float] = dict.fromkeys(nics, 1.0)
+    if network.nic_jitter > 0:
+        rng = np.random.default_rng(network.seed)
+        draws = np.clip(rng.normal(1.0, network.nic_jitter, size=len(nics)), 0.05, 2.0)
+        factors = dict(zip(nics, (float(d) for d in draws), strict=True))
+    if network.slow_nic is not None:
+        node, k = network.slow_nic
+        factors[("nic", node, k)] *= network.slow_nic_factor
+    return factors
 
 
 @cache
@@ -95,6 +131,10 @@ def job_network(
     nic_factor: float = 1.0,
     nvlink_factor: float = 1.0,
     spine_oversubscription: float | None = None,
+    nic_jitter: float = 0.0,
+    seed: int = 0,
+    slow_nic: tuple[int, int] | None = None,
+    slow_nic_factor: float = 1.0,
 ) -> Network:
     """The nodes ``world_size`` ranks fill, ``ranks_per_node`` to a node, on ``spec`` with the
     scenario's what-ifs applied (other NICs, NICs or NVLink slower by a factor, a spine
@@ -113,6 +153,19 @@ def job_network(
         nvlink_factor=nvlink_factor,
         spine_oversubscription=spine_oversubscription,
     )
+    n_nodes = math.ceil(world_size / ranks_per_node)
+    if slow_nic is not None and not (0 <= slow_nic[0] < n_nodes and 0 <= slow_nic[1] < spec.nics_per_node):
+        raise UserError(
+            f"simulation.slow_nic_node = {slow_nic[0]}, simulation.slow_nic = {slow_nic[1]}: not in the job, "
+            f"whose {n_nodes} node(s) have NICs 0..{spec.nics_per_node - 1}"
+        )
     return Network(
-        spec=spec, n_nodes=math.ceil(world_size / ranks_per_node), ranks_per_node=ranks_per_node, arch=arch
+        spec=spec,
+        n_nodes=n_nodes,
+        ranks_per_node=ranks_per_node,
+        arch=arch,
+        nic_jitter=nic_jitter,
+        seed=seed,
+        slow_nic=slow_nic,
+        slow_nic_factor=slow_nic_factor,
     )

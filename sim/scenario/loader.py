@@ -133,6 +133,9 @@ def _check(s: Scenario, where: str) -> None:
     if sim.compute_jitter < 0:
         raise UserError(f"{where}: simulation.compute_jitter must be >= 0")
     positive("simulation.slow_rank_factor", sim.slow_rank_factor)
+    positive("simulation.slow_nic_factor", sim.slow_nic_factor)
+    if sim.nic_jitter < 0 or sim.slow_nic < 0 or (sim.slow_nic_node is not None and sim.slow_nic_node < 0):
+        raise UserError(f"{where}: simulation.nic_jitter, slow_nic and slow_nic_node must be >= 0")
     if sim.slow_rank is not None and not 0 <= sim.slow_rank < p.world_size:
         raise UserError(
             f"{where}: simulation.slow_rank must be in [0, {p.world_size - 1}], got {sim.slow_rank}"

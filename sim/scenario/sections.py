@@ -90,6 +90,11 @@ class SimulationSection:
     compute_jitter: float = 0.0  # relative std-dev of each compute op's time, per rank
     slow_rank: int | None = None
     slow_rank_factor: float = 1.0  # e.g. 1.1: slow_rank's compute takes 10 % longer
+    # the network's what-ifs that differ between links (every rank is then simulated):
+    nic_jitter: float = 0.0  # relative std-dev of each NIC's rate, drawn once per run (seeded)
+    slow_nic_node: int | None = None  # a degraded NIC: NIC ``slow_nic`` of this node ...
+    slow_nic: int = 0
+    slow_nic_factor: float = 1.0  # ... at this fraction of its rate
 
 
 SECTIONS: dict[str, type] = {
