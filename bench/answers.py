@@ -24,6 +24,7 @@ from pathlib import Path
 
 from sim.core.events import MemoryCategory, OpKind
 from sim.costs.compute import OPTIMIZER_BYTES_PER_ELEMENT
+from sim.costs.one_collective import one_collective
 from sim.fileio import write_text_atomic
 from sim.hardware.registry import load_profile
 from sim.outputs.display import gib, ms
@@ -31,7 +32,7 @@ from sim.outputs.memory_curve import memory_curve
 from sim.outputs.report import StepReport, build_report
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
-from sim.simulate import SimResult, simulate
+from sim.simulate import SimResult, scenario_network, simulate
 from sim.study.sweep.execute import run_points
 from sim.study.sweep.plan import make_plan, make_rows
 from sim.study.tune.fix import cheapest
@@ -463,7 +464,7 @@ def scale_out_prose() -> str:
     flat = fs.tokens_per_s_per_gpu / fs64.tokens_per_s_per_gpu - 1
     at_scale = [(report(SCALEOUT, *sets), scenario(SCALEOUT, *sets)) for sets in SCALEOUT_ROWS[1:]]
     best, best_s = min(((r, s) for r, s in at_scale if r.fits), key=lambda rs: rs[0].step_time_s)
-    profile = load_profile(scenario(SCALEOUT).cluster.profile)
+    ring = _world_busbw(SCALEOUT, "parallel.world_size=1024")
     claim(abs(flat) < 0.05, "FULL_SHARD keeps its per-GPU throughput nearly flat")
     claim(fs.breakdown.exposed_comm_s < 0.02 * fs.step_time_s, "its collectives hide behind compute")
     claim(not node.fits, "sharding within a node does not fit")
@@ -472,12 +473,11 @@ def scale_out_prose() -> str:
     return para(
         f"""FULL_SHARD keeps its per-GPU throughput nearly flat ({pct(flat)}): a step of 70B with
         full checkpointing at {n(scenario(SCALEOUT).training.seq_len)} tokens is long enough that
-        its all-gathers and reduce-scatters, spread over the node's NICs
-        ({profile.inter_node.bus_bw_Bps / 1e9:.0f} GB/s bus bandwidth across nodes in the datasheet
-        profile), hide behind compute ({t(fs.breakdown.exposed_comm_s, 0)} exposed). Sharding
-        within a node does not fit; the fastest configuration that fits at 1,024 ranks is
-        {_scaleout_label(best_s)}, {pct(gain, sign=True)} against FULL_SHARD. The α–β link model
-        does not yet grow a ring's latency with its 1,023 steps (the network issue)."""
+        its all-gathers and reduce-scatters, rings over all eight NICs of each node (NCCL's model
+        gives a 1 GiB all-gather over the 1,024 ranks {ring / 1e9:.0f} GB/s bus bandwidth, its 1,023
+        steps included), hide behind compute ({t(fs.breakdown.exposed_comm_s, 0)} exposed).
+        Sharding within a node does not fit; the fastest configuration that fits at 1,024 ranks is
+        {_scaleout_label(best_s)}, {pct(gain, sign=True)} against FULL_SHARD."""
     )
 
 
@@ -529,7 +529,6 @@ def sweep_example() -> str:
         r for r in rows if r["parallel.strategy"] == "FULL_SHARD" and all(r[k] == best[k] for k in same)
     )
     s = scenario(SWEEP)
-    profile = load_profile(s.cluster.profile)
     nodes = s.parallel.world_size // s.gpus_per_node
     hybrid = next(
         r for r in rows if r["parallel.strategy"] == "HYBRID_SHARD" and all(r[k] == best[k] for k in same)
@@ -548,10 +547,20 @@ def sweep_example() -> str:
         {n(best["tokens_per_s"])} tokens/s at {gib(best["peak_memory_bytes"])}; with the same
         settings FULL_SHARD across both nodes gets {n(full["tokens_per_s"])} at
         {gib(full["peak_memory_bytes"])} and HYBRID_SHARD (shard within each node) {n(hybrid["tokens_per_s"])}
-        at {gib(hybrid["peak_memory_bytes"])}: with the datasheet profile's
-        {profile.inter_node.bus_bw_Bps / 1e9:.0f} GB/s across nodes (rings over all eight NICs) the
-        inter-node all-gathers hide behind compute, and HSDP's extra all-reduce is not repaid."""
+        at {gib(hybrid["peak_memory_bytes"])}: rings over all eight 400 Gb/s NICs of a DGX H100 node
+        (NCCL's model: {_world_busbw(SWEEP) / 1e9:.0f} GB/s bus bandwidth for a 1 GiB all-gather
+        over the 16 ranks) let the inter-node all-gathers hide behind compute, and HSDP's extra
+        all-reduce is not repaid."""
     )
+
+
+def _world_busbw(path: str, *sets: str) -> float:
+    """NCCL's model's bus bandwidth of a 1 GiB all-gather over every rank of the scenario."""
+    s = scenario(path, *sets)
+    profile = load_profile(s.cluster.profile)
+    network = scenario_network(s, profile)
+    assert network is not None
+    return one_collective("all_gather", 1 << 30, profile, network).busbw_Bps
 
 
 def _describe(c: Candidate, brief: bool = False) -> str:
