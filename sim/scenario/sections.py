@@ -15,7 +15,8 @@ from sim.workload.options import CheckpointMode, OptimizerName, Strategy, WrapPo
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSection:
-    preset: str | None = None
+    preset: str | None = None  # a Llama preset, or a name / hub id of the bundled config library
+    config: str | None = None  # a Hugging Face config.json (path relative to the scenario file)
     n_layers: int | None = None
     hidden: int | None = None
     n_heads: int | None = None
