@@ -162,6 +162,7 @@ def describe(config: dict[str, Any], *, micro_batch: int, seq_len: int, dtype: s
         "model_type": config.get("model_type"),
         "architecture": meta["architecture"],
         "config_sha256": config_sha256(config),
+        "config": config,
         "dims": _dims(cfg, len(blocks), meta["tied"]),
         "moe": _moe(cfg),
         "params": meta["params"],

@@ -188,15 +188,14 @@ class Tracer(TorchDispatchMode):
             op.memory_bytes += sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(
                 _nbytes(t) for t in _tensors(out)
             )
-        for t in _tensors(out):
-            if t.grad_fn is not None:
-                self.node_op[t.grad_fn] = op.index
         self._record_outputs(out, inputs, op.index)
         return out
 
 
 class HostCalls(TorchFunctionMode):
-    """Counts the Python-level torch calls of each owner in forward."""
+    """Counts the Python-level torch calls of each owner in forward, and maps the autograd nodes
+    they create to the op that ran them (autograd sits above the dispatch mode, so only here do
+    outputs carry their ``grad_fn``)."""
 
     def __init__(self, owners: Owners, tracer: Tracer):
         super().__init__()
@@ -204,14 +203,16 @@ class HostCalls(TorchFunctionMode):
         self.pending = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.tracer.backward and getattr(func, "__name__", "") not in NOT_DISPATCHED:
-            before = len(self.tracer.ops)
-            result = func(*args, **(kwargs or {}))
-            ops = self.tracer.ops
-            if ops and len(ops) >= before:
-                ops[-1].host_ops += 1
+        result = func(*args, **(kwargs or {}))
+        ops = self.tracer.ops
+        if self.tracer.backward or not ops:
             return result
-        return func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") not in NOT_DISPATCHED:
+            ops[-1].host_ops += 1
+        for t in _tensors(result):
+            if t.grad_fn is not None and t.grad_fn not in self.tracer.node_op:
+                self.tracer.node_op[t.grad_fn] = ops[-1].index
+        return result
 
 
 class SavedBytes:

@@ -89,6 +89,7 @@ class ModelDescription:
     seq_len: int
     dtype: str
     ops: tuple[DescribedOp, ...]
+    config_json: str = "{}"  # the config.json itself, so that validation builds the same model
     key: str = field(default="")
 
     def __hash__(self) -> int:
@@ -183,6 +184,7 @@ def parse_description(data: Any, where: str) -> ModelDescription:
         seq_len=seq,
         dtype=dtype,
         ops=ops,
+        config_json=json.dumps(r.get("config", dict), sort_keys=True),
         key=description_key(sha, mb, seq, dtype),
     )
 
