@@ -46,7 +46,10 @@ def build_causal_lm(cfg: Any, dtype: torch.dtype = torch.float32, seed: int = 0)
     try:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     except ValueError as e:
-        raise UserError(f"config.json: no causal-LM class for {cfg.model_type!r} ({e})") from None
+        if cfg._attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(e):
+            raise UserError(f"config.json: no causal-LM class for {cfg.model_type!r} ({e})") from None
+        cfg._attn_implementation = "eager"  # a class without SDPA support (Gemma 2's soft-capping)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model.train()
 
 
