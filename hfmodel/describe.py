@@ -50,12 +50,18 @@ def representatives(model: nn.Module, blocks: list[str]) -> list[int]:
 
 def _moe(cfg: Any) -> dict[str, int] | None:
     experts = next(
-        (getattr(cfg, a) for a in ("num_local_experts", "num_experts", "n_routed_experts") if getattr(cfg, a, None)),
+        (
+            getattr(cfg, a)
+            for a in ("num_local_experts", "num_experts", "n_routed_experts")
+            if getattr(cfg, a, None)
+        ),
         None,
     )
     if not experts:
         return None
-    shared = getattr(cfg, "n_shared_experts", None) or (1 if getattr(cfg, "shared_expert_intermediate_size", 0) else 0)
+    shared = getattr(cfg, "n_shared_experts", None) or (
+        1 if getattr(cfg, "shared_expert_intermediate_size", 0) else 0
+    )
     return {"experts": int(experts), "top_k": int(cfg.num_experts_per_tok), "shared_experts": int(shared)}
 
 
@@ -142,7 +148,9 @@ def _renamed(path: str, rename: dict[str, str]) -> str:
     return path
 
 
-def describe(config: dict[str, Any], *, micro_batch: int, seq_len: int, dtype: str, name: str) -> dict[str, Any]:
+def describe(
+    config: dict[str, Any], *, micro_batch: int, seq_len: int, dtype: str, name: str
+) -> dict[str, Any]:
     """The description (a JSON-ready dict, ``sim.workload.description`` reads it)."""
     from hfmodel.ops import assemble_ops
 
@@ -152,10 +160,12 @@ def describe(config: dict[str, Any], *, micro_batch: int, seq_len: int, dtype: s
     blocks = meta["blocks"]
     ops, calls, rename = _trace(cfg, TORCH_DTYPES[dtype], meta["reps"], blocks, micro_batch, seq_len)
     for op in ops:
-        op.owner = _renamed(op.owner.removeprefix("attention:"), rename) if op.module_type == "AttentionProbe" else _renamed(op.owner, rename)
-    calls = [
-        {**call.__dict__, "module": _renamed(call.module, rename)} for call in calls
-    ]
+        op.owner = (
+            _renamed(op.owner.removeprefix("attention:"), rename)
+            if op.module_type == "AttentionProbe"
+            else _renamed(op.owner, rename)
+        )
+    calls = [{**call.__dict__, "module": _renamed(call.module, rename)} for call in calls]
     return {
         "version": DESCRIPTION_VERSION,
         "name": name,

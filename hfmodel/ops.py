@@ -33,7 +33,13 @@ def _block_of(path: str, blocks: list[str]) -> int | None:
 
 
 def _useful(op: OpRecord) -> bool:
-    return bool(op.flops or op.memory_bytes or op.saved_bytes or op.forward_transient_bytes or op.backward_transient_bytes)
+    return bool(
+        op.flops
+        or op.memory_bytes
+        or op.saved_bytes
+        or op.forward_transient_bytes
+        or op.backward_transient_bytes
+    )
 
 
 def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[str]) -> list[dict[str, Any]]:

@@ -51,7 +51,15 @@ class ProbeRecorder:
         self.paths = paths  # id(module) -> module path
         self.calls: list[AttentionCall] = []
 
-    def attention(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
+    def attention(
+        self,
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ):
         path = self.paths.get(id(module), "attention")
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
         self.calls.append(
@@ -84,7 +92,9 @@ class ProbeRecorder:
 ACTIVE: list[ProbeRecorder] = []
 
 
-def probe_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
+def probe_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+):
     """The function registered as ``attn_implementation = "fsdpsim_probe"``."""
     if not ACTIVE:
         raise RuntimeError("the attention probe runs only inside hfmodel.describe")

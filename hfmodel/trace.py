@@ -32,7 +32,14 @@ from torch.utils.flop_counter import flop_registry
 MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm", "grouped_mm_fallback")
 # Python-level calls that dispatch no kernel (attribute reads and shape queries)
 # aten calls that move no data although their schema does not say they alias
-ZERO_COPY = ("prim.", "aten._unsafe_view", "aten.detach", "aten.lift_fresh", "aten.alias", "aten._reshape_alias")
+ZERO_COPY = (
+    "prim.",
+    "aten._unsafe_view",
+    "aten.detach",
+    "aten.lift_fresh",
+    "aten.alias",
+    "aten._reshape_alias",
+)
 NOT_DISPATCHED = {"__get__", "size", "dim", "numel", "stride", "is_floating_point", "__len__", "__format__"}
 
 

@@ -52,7 +52,9 @@ def test_library_parameters_equal_transformers(name: str) -> None:
     facts = _meta_facts(hf_config(config), torch.float32)
     described = sum(math.prod(shape) for _, shape in facts["params"])
     assert described == _transformers_count(config)
-    assert facts["blocks"] and all(b.startswith(facts["blocks"][0].rpartition(".")[0]) for b in facts["blocks"])
+    assert facts["blocks"] and all(
+        b.startswith(facts["blocks"][0].rpartition(".")[0]) for b in facts["blocks"]
+    )
     if name in PUBLISHED:
         assert described == PUBLISHED[name]
 
@@ -60,7 +62,9 @@ def test_library_parameters_equal_transformers(name: str) -> None:
 def _describe(path: Path, micro_batch: int = 2, seq_len: int = 32, dtype: str = "bf16") -> ModelConfig:
     from hfmodel.describe import describe
 
-    data = describe(json.loads(path.read_text()), micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, name=path.stem)
+    data = describe(
+        json.loads(path.read_text()), micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, name=path.stem
+    )
     return ModelConfig.of(parse_description(json.loads(json.dumps(data)), str(path)))
 
 

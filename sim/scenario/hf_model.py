@@ -95,15 +95,21 @@ def _transformers_version(where: str) -> str:
         ) from None
 
 
-def _extract(config_path: Path, out: Path, *, name: str, micro_batch: int, seq_len: int, dtype: str, where: str) -> None:
+def _extract(
+    config_path: Path, out: Path, *, name: str, micro_batch: int, seq_len: int, dtype: str, where: str
+) -> None:
     root = Path(__file__).resolve().parent.parent.parent
     cmd = [sys.executable, "-m", "hfmodel", "describe", str(config_path), "--name", name]
     cmd += ["--micro-batch", str(micro_batch), "--seq-len", str(seq_len), "--dtype", dtype, "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    )
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=EXTRACT_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
-        raise UserError(f"{where}: measuring {config_path} timed out after {EXTRACT_TIMEOUT_S:.0f} s") from None
+        raise UserError(
+            f"{where}: measuring {config_path} timed out after {EXTRACT_TIMEOUT_S:.0f} s"
+        ) from None
     if proc.returncode != 0 or not out.is_file():
         lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
         raise UserError(f"{where}: measuring {config_path} failed: {lines[-1] if lines else proc.returncode}")
@@ -116,9 +122,14 @@ def describe_config(
     config = read_config(config_path, where)
     sha = config_sha256(config)
     version = _transformers_version(where)
-    cached = cache_dir() / f"{name}-{sha[:16]}-mb{micro_batch}-s{seq_len}-{dtype}-v{DESCRIPTION_VERSION}-tf{version}.json"
+    cached = (
+        cache_dir()
+        / f"{name}-{sha[:16]}-mb{micro_batch}-s{seq_len}-{dtype}-v{DESCRIPTION_VERSION}-tf{version}.json"
+    )
     if not cached.is_file():
-        _extract(config_path, cached, name=name, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, where=where)
+        _extract(
+            config_path, cached, name=name, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, where=where
+        )
     description = parse_description(read_json(cached, "model description"), str(cached))
     if description.config_sha256 != sha:
         raise UserError(f"{cached}: describes another config than {config_path}; delete it")

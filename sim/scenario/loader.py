@@ -19,8 +19,8 @@ from sim.dtypes import canonical_dtype
 from sim.errors import UserError
 from sim.hardware.cluster import ClusterSpec, load_cluster
 from sim.hardware.registry import load_profile
-from sim.scenario.sections import SECTIONS, ClusterSection, ModelSection, Scenario
 from sim.scenario.hf_model import describe_config, library, library_entry
+from sim.scenario.sections import SECTIONS, ClusterSection, ModelSection, Scenario
 from sim.workload.model import PRESETS, ModelConfig, preset
 from sim.workload.options import Strategy
 
@@ -90,9 +90,15 @@ def _described_model(section: ModelSection, built: dict[str, Any], where: str) -
         path, name = entry.path, entry.name
     else:
         return None
-    extra = [f"model.{f.name}" for f in fields(section) if f.name not in ("preset", "config") and getattr(section, f.name) is not None]
+    extra = [
+        f"model.{f.name}"
+        for f in fields(section)
+        if f.name not in ("preset", "config") and getattr(section, f.name) is not None
+    ]
     if extra or (section.config is not None and section.preset is not None):
-        raise UserError(f"{where}: a model from a config.json takes no other model keys (got {', '.join(extra) or 'model.preset'})")
+        raise UserError(
+            f"{where}: a model from a config.json takes no other model keys (got {', '.join(extra) or 'model.preset'})"
+        )
     training, precision = built["training"], built["precision"]
     description = describe_config(
         path,
@@ -120,7 +126,9 @@ def _resolve_model(section: ModelSection, built: dict[str, Any], where: str) -> 
             cfg = replace(cfg, name=f"{cfg.name}*")
     else:
         required = [
-            f.name for f in fields(ModelConfig) if f.default is MISSING and f.name not in given and f.name != "description"
+            f.name
+            for f in fields(ModelConfig)
+            if f.default is MISSING and f.name not in given and f.name != "description"
         ]
         if required:
             raise UserError(f"{where}: model needs model.preset or all of: {', '.join(required)}")

@@ -119,7 +119,9 @@ class _Reader:
 def _gemms(raw: list[Any], where: str) -> tuple[tuple[int, int, int, int], ...]:
     out = []
     for g in raw:
-        if not (isinstance(g, list) and len(g) == GEMM_FIELDS and all(isinstance(x, int) and x > 0 for x in g)):
+        if not (
+            isinstance(g, list) and len(g) == GEMM_FIELDS and all(isinstance(x, int) and x > 0 for x in g)
+        ):
             raise UserError(f"{where}: gemms entries must be [M, N, K, count] of positive integers")
         out.append((g[0], g[1], g[2], g[3]))
     return tuple(out)
@@ -161,19 +163,29 @@ def parse_description(data: Any, where: str) -> ModelDescription:
     """A ``ModelDescription`` from its JSON object, or a UserError naming ``where`` and the key."""
     r = _Reader(data, where)
     if r.get("version", int) != DESCRIPTION_VERSION:
-        raise UserError(f"{where}: description version {data['version']} (this fsdp-sim reads {DESCRIPTION_VERSION})")
+        raise UserError(
+            f"{where}: description version {data['version']} (this fsdp-sim reads {DESCRIPTION_VERSION})"
+        )
     d = _Reader(r.get("dims", dict), f"{where}: dims")
     m = _Reader(r.get("measured", dict), f"{where}: measured")
     moe = data.get("moe")
     params = tuple(ParamSpec(str(n), tuple(int(x) for x in s)) for n, s in r.get("params", list))
     ops = tuple(_op(o, f"{where}: ops[{i}]") for i, o in enumerate(r.get("ops", list)))
-    sha, mb, seq, dtype = r.get("config_sha256", str), m.get("micro_batch", int), m.get("seq_len", int), m.get("dtype", str)
+    sha, mb, seq, dtype = (
+        r.get("config_sha256", str),
+        m.get("micro_batch", int),
+        m.get("seq_len", int),
+        m.get("dtype", str),
+    )
     return ModelDescription(
         name=r.get("name", str),
         model_type=r.get("model_type", str),
         architecture=r.get("architecture", str),
         config_sha256=sha,
-        **{k: d.get(k, int) for k in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "vocab")},
+        **{
+            k: d.get(k, int)
+            for k in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "vocab")
+        },
         tie_embeddings=d.get("tie_embeddings", bool),
         max_position_embeddings=data["dims"].get("max_position_embeddings"),
         moe=MoeFacts(**moe) if moe else None,

@@ -238,7 +238,11 @@ def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
     t, a = w.tokens, w.act_bytes
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_dim
     shape = AttentionShape(
-        batch=w.micro_batch, seq_len=w.seq_len, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim
+        batch=w.micro_batch,
+        seq_len=w.seq_len,
+        heads=cfg.n_heads,
+        kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
     )
     flops, saved, fwd_transient, bwd_transient = attention_kernel_figures(shape, w)
     return LayerOp(
