@@ -2,6 +2,7 @@
 the measuring probe), no KV cache, MoE experts as grouped matmuls (``experts_implementation =
 "grouped_mm"``, the dropless token-sorted path torchtitan also uses)."""
 
+import copy
 from typing import Any
 
 import torch
@@ -13,11 +14,12 @@ from sim.errors import UserError
 CHECKPOINT_KEYS = ("quantization_config", "auto_map", "_name_or_path", "transformers_version")
 
 
-def hf_config(config: dict[str, Any], *, attn: str = "sdpa", seq_len: int | None = None) -> Any:
-    """The ``PretrainedConfig`` of a config.json dict (its ``model_type`` picks the class)."""
+def hf_config(config: dict[str, Any], *, attn: str = "sdpa") -> Any:
+    """The ``PretrainedConfig`` of a config.json dict (its ``model_type`` picks the class); the dict
+    is copied first, as transformers rewrites nested ones (``rope_scaling``) in place."""
     from transformers import AutoConfig
 
-    data = {k: v for k, v in config.items() if k not in CHECKPOINT_KEYS}
+    data = copy.deepcopy({k: v for k, v in config.items() if k not in CHECKPOINT_KEYS})
     model_type = data.pop("model_type", None)
     if not isinstance(model_type, str):
         raise UserError("config.json has no model_type")

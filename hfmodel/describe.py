@@ -155,6 +155,7 @@ def describe(
     from hfmodel.ops import assemble_ops
 
     dtype = canonical_dtype(dtype)
+    sha = config_sha256(config)
     cfg = hf_config(config, attn=PROBE)
     meta = _meta_facts(cfg, TORCH_DTYPES[dtype])
     blocks = meta["blocks"]
@@ -171,7 +172,7 @@ def describe(
         "name": name,
         "model_type": config.get("model_type"),
         "architecture": meta["architecture"],
-        "config_sha256": config_sha256(config),
+        "config_sha256": sha,
         "config": config,
         "dims": _dims(cfg, len(blocks), meta["tied"]),
         "moe": _moe(cfg),
