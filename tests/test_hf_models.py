@@ -174,3 +174,20 @@ def test_moe_memory_matches_real_fsdp2_in_fake_mode(tmp_path: Path, monkeypatch,
     comparison, measured = validate_memory_only(str(path), [], timeout_s=300)
     peak = next(r for r in comparison.rows if r.metric == "peak memory")
     assert abs(peak.predicted / peak.measured - 1) < 0.01
+
+
+def test_a_sequence_beyond_the_models_positions_warns(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FSDPSIM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "config.json").write_text((DATA / "tiny-llama.json").read_text())  # 256 positions
+    path = _scenario(tmp_path, 'config = "config.json"')
+    assert load_scenario(path).warnings == ()
+    (warning,) = load_scenario(path, ["training.seq_len=512"]).warnings
+    assert "max_position_embeddings (256)" in warning
+    proc = subprocess.run(
+        [sys.executable, "-m", "sim.cli.main", "run", str(path), "--set", "training.seq_len=512"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**__import__("os").environ, "FSDPSIM_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert proc.returncode == 0 and "fsdpsim: warning:" in proc.stderr

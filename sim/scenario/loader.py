@@ -265,7 +265,19 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
         **built,
     )
     _check(scenario, where)
-    return scenario
+    return replace(scenario, warnings=_warnings(scenario, where))
+
+
+def _warnings(s: Scenario, where: str) -> tuple[str, ...]:
+    """A sequence longer than the model's ``max_position_embeddings`` (a described model's config)."""
+    d = s.model.description
+    limit = d.max_position_embeddings if d is not None else None
+    if limit is not None and s.training.seq_len > limit:
+        return (
+            f"{where}: training.seq_len = {s.training.seq_len} exceeds the model's max_position_embeddings "
+            f"({limit}); it was not trained for it (RoPE scaling or a long-context variant is needed)",
+        )
+    return ()
 
 
 def read_scenario_toml(path: str | Path) -> dict[str, Any]:

@@ -118,6 +118,7 @@ class Scenario:
     simulation: SimulationSection
     gpus_per_node: int  # cluster.gpus_per_node, else the cluster's or the profile's; resolved at load
     cluster_spec: ClusterSpec | None = None  # the cluster cluster.name names, read at load
+    warnings: tuple[str, ...] = ()  # what the scenario asks that its model was not built for
 
     @property
     def param_dtype(self) -> str:
