@@ -21,8 +21,8 @@ run: install
 	$(BIN)/fsdpsim run $(SCENARIO) --timeline out/step.html --trace out/step.json
 
 lint: install
-	$(BIN)/ruff check sim calibrate validation tests bench
-	$(BIN)/ruff format --check sim calibrate validation tests bench
+	$(BIN)/ruff check sim calibrate validation hfmodel tests bench
+	$(BIN)/ruff format --check sim calibrate validation hfmodel tests bench
 	$(BIN)/mypy
 
 test: lint

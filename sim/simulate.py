@@ -23,7 +23,8 @@ from sim.schedule.ddp import build_ddp_program
 from sim.schedule.fsdp2 import build_fsdp2_program
 from sim.schedule.step import StepConfig
 from sim.workload.checkpointing import checkpoint_plan
-from sim.workload.layers import LayerOp, Workload, layer_ops, model_buffer_bytes
+from sim.workload.forward import layer_ops
+from sim.workload.layers import LayerOp, Workload, model_buffer_bytes
 from sim.workload.options import Strategy
 from sim.workload.units import build_segments, build_units
 

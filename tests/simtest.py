@@ -54,7 +54,8 @@ def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, fact
     ``factor`` times slower and allocates ``factor`` times more)."""
     from sim.costs.compute import build_compute_costs
     from sim.dtypes import dtype_bytes
-    from sim.workload.layers import CalibrationGroup, Workload, layer_ops
+    from sim.workload.forward import layer_ops
+    from sim.workload.layers import CalibrationGroup, Workload
 
     t = scenario.training
     workload = Workload(

@@ -27,6 +27,28 @@ def build_llama(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(llama_config(model, seq_len))
 
 
+def build_model(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
+    """The scenario's model: a described one from its own config.json (SDPA attention), else Llama."""
+    if model.description is None:
+        return build_llama(model, seq_len, seed)
+    import json
+
+    from hfmodel.build import build_causal_lm, hf_config
+
+    return build_causal_lm(hf_config(json.loads(model.description.config_json)), seed=seed)
+
+
+def block_modules(model: nn.Module, scenario: Scenario) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, block) of every decoder block, by the scenario's unit paths."""
+    modules = dict(model.named_modules())
+    paths = unit_prefixes(scenario.model, WrapPolicy.BLOCK)
+    out = []
+    for path in paths:
+        parent, _, attr = path.rpartition(".")
+        out.append((modules[parent], attr, modules[path]))
+    return out
+
+
 @dataclass
 class Wrapped:
     model: nn.Module
@@ -68,27 +90,26 @@ def _op_sac_context() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_checkpointing(model: nn.Module, plan: CheckpointPlan) -> None:
+def apply_checkpointing(model: nn.Module, plan: CheckpointPlan, scenario: Scenario) -> None:
     """Non-reentrant activation checkpointing of the plan's decoder blocks, before sharding, as
     torchtitan applies it (full regions, or regions under its op-level policy)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    inner: Any = model.model
-    layers = inner.layers
-    for i, layer in enumerate(layers):
+    for i, (parent, attr, layer) in enumerate(block_modules(model, scenario)):
         if not plan.covers(i):
             continue
         if plan.selective_op:
-            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False, context_fn=_op_sac_context)
+            wrapped = checkpoint_wrapper(layer, preserve_rng_state=False, context_fn=_op_sac_context)
         else:
-            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+            wrapped = checkpoint_wrapper(layer, preserve_rng_state=False)
+        setattr(parent, attr, wrapped)
 
 
 def wrap(model: nn.Module, scenario: Scenario, mesh: Any) -> Wrapped:
     c = scenario.checkpointing
     plan = checkpoint_plan(c.mode, c.selective, scenario.model.n_layers)
     if plan.active:
-        apply_checkpointing(model, plan)
+        apply_checkpointing(model, plan, scenario)
     if scenario.parallel.strategy is Strategy.NO_SHARD:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -42,7 +42,7 @@ from sim.errors import UserError
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.workload.options import Strategy
-from validation.build import build_llama, wrap
+from validation.build import build_model, wrap
 from validation.worker import TRACKER_CATEGORIES, Trainer, _mesh
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
@@ -62,7 +62,7 @@ class FakeTrainer(Trainer):
     def __init__(self, scenario: Scenario, mesh: Any):  # noqa: D107 (same fields as Trainer)
         self.scenario = scenario
         self.rank = dist.get_rank()
-        model = build_llama(scenario.model, scenario.training.seq_len)
+        model = build_model(scenario.model, scenario.training.seq_len)
         self.wrapped = wrap(model, scenario, mesh)
         self.model = self.wrapped.model
         self.ddp_counts = {}

@@ -71,7 +71,10 @@ def _write_traces(args: argparse.Namespace, result: SimResult) -> None:
 
 def main(args: argparse.Namespace) -> int:
     _check_paths(args)
-    result = simulate(load_scenario(args.scenario, args.overrides))
+    scenario = load_scenario(args.scenario, args.overrides)
+    for warning in scenario.warnings:
+        print(f"fsdpsim: warning: {warning}", file=sys.stderr)
+    result = simulate(scenario)
     other = simulate(load_scenario(args.scenario, [*args.overrides, *args.compare])) if args.compare else None
     report = build_report(result)
     text = json.dumps(report.to_json(), indent=2) if args.format == "json" else format_table(report)

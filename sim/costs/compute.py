@@ -19,7 +19,8 @@ from sim.dtypes import dtype_bytes
 from sim.errors import UserError
 from sim.hardware.compute_section import MODEL_FIELDS, ComputeSection, UnitMeasurement
 from sim.hardware.schema import DeviceSpec, HardwareProfile
-from sim.workload.layers import CalibrationGroup, LayerOp, Workload, layer_ops
+from sim.workload.forward import layer_ops
+from sim.workload.layers import CalibrationGroup, LayerOp, Workload
 from sim.workload.model import ModelConfig
 from sim.workload.options import OptimizerName
 from sim.workload.units import Segment
@@ -283,6 +284,11 @@ def build_compute_costs(
     compute = profile.compute
     if compute is None:
         return costs
+    if model.description is not None:
+        raise UserError(
+            f"{where}: its compute section was measured on Llama units; model {model.name} comes from a "
+            "config.json and is timed by the profile's kernel model: use a profile without a compute section"
+        )
     measured_ops, measured_costs = ops, costs
     try:
         check_compute_matches(compute, model, micro_batch, seq_len, param_dtype, where)

@@ -122,6 +122,13 @@ class GpuKernelModel:
 
     def op_s(self, op: LayerOp, attention_kernel: str) -> tuple[float, float]:
         """(forward, backward) seconds of one layer op."""
+        if op.grouped_gemms:  # each (M, N, K) matmul ``count`` times, plus the op's elementwise work
+            fwd = sum(c * self.gemm_s(m, n, k) for m, n, k, c in op.grouped_gemms)
+            bwd = sum(c * (self.gemm_s(m, k, n) + self.gemm_s(n, k, m)) for m, n, k, c in op.grouped_gemms)
+            return (
+                fwd + self.memory_s(op.memory_bytes),
+                bwd + self.memory_s(op.backward_memory_factor * op.memory_bytes),
+            )
         if op.gemm is not None:
             m, n, k = op.gemm
             fwd = self.gemm_s(m, n, k)

@@ -19,8 +19,9 @@ from sim.dtypes import canonical_dtype
 from sim.errors import UserError
 from sim.hardware.cluster import ClusterSpec, load_cluster
 from sim.hardware.registry import load_profile
+from sim.scenario.hf_model import describe_config, library, library_entry
 from sim.scenario.sections import SECTIONS, ClusterSection, ModelSection, Scenario
-from sim.workload.model import ModelConfig, preset
+from sim.workload.model import PRESETS, ModelConfig, preset
 from sim.workload.options import Strategy
 
 
@@ -77,15 +78,58 @@ def _build_section(name: str, cls: type, raw: Any, where: str) -> Any:
     return cls(**values)
 
 
-def _resolve_model(section: ModelSection, where: str) -> ModelConfig:
-    dims = {f.name: getattr(section, f.name) for f in fields(section) if f.name != "preset"}
+def _described_model(section: ModelSection, built: dict[str, Any], where: str) -> ModelConfig | None:
+    """A model from a config.json (``model.config``, or a library name in ``model.preset``)."""
+    if section.config is not None:
+        path = Path(where).parent / section.config
+        name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+    elif section.preset is not None and section.preset not in PRESETS:
+        entry = library_entry(section.preset, where)
+        if entry is None:
+            return None
+        path, name = entry.path, entry.name
+    else:
+        return None
+    extra = [
+        f"model.{f.name}"
+        for f in fields(section)
+        if f.name not in ("preset", "config") and getattr(section, f.name) is not None
+    ]
+    if extra or (section.config is not None and section.preset is not None):
+        raise UserError(
+            f"{where}: a model from a config.json takes no other model keys (got {', '.join(extra) or 'model.preset'})"
+        )
+    training, precision = built["training"], built["precision"]
+    description = describe_config(
+        path,
+        name=name,
+        micro_batch=training.micro_batch,
+        seq_len=training.seq_len,
+        dtype=canonical_dtype(precision.param_dtype),
+        where=where,
+    )
+    return ModelConfig.of(description)
+
+
+def _resolve_model(section: ModelSection, built: dict[str, Any], where: str) -> ModelConfig:
+    described = _described_model(section, built, where)
+    if described is not None:
+        return described
+    dims = {f.name: getattr(section, f.name) for f in fields(section) if f.name not in ("preset", "config")}
     given = {k: v for k, v in dims.items() if v is not None}
     if section.preset is not None:
+        if section.preset not in PRESETS:
+            names = [*PRESETS, *library()]
+            raise UserError(f"{where}: unknown model.preset {section.preset!r}; allowed: {', '.join(names)}")
         cfg = replace(preset(section.preset, where), **given)
         if given:
             cfg = replace(cfg, name=f"{cfg.name}*")
     else:
-        required = [f.name for f in fields(ModelConfig) if f.default is MISSING and f.name not in given]
+        required = [
+            f.name
+            for f in fields(ModelConfig)
+            if f.default is MISSING and f.name not in given and f.name != "description"
+        ]
         if required:
             raise UserError(f"{where}: model needs model.preset or all of: {', '.join(required)}")
         cfg = ModelConfig(name="custom", **given)
@@ -214,7 +258,7 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
         if name not in SECTIONS:
             raise UserError(f"{where}: unknown section [{name}]{_did_you_mean(name, list(SECTIONS))}")
     built = {name: _build_section(name, cls, data.get(name, {}), where) for name, cls in SECTIONS.items()}
-    model = _resolve_model(built.pop("model"), where)
+    model = _resolve_model(built.pop("model"), built, where)
     built["cluster"], spec = _cluster(data.get("cluster", {}), built["cluster"], where)
     scenario = Scenario(
         source=where,
@@ -224,7 +268,19 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
         **built,
     )
     _check(scenario, where)
-    return scenario
+    return replace(scenario, warnings=_warnings(scenario, where))
+
+
+def _warnings(s: Scenario, where: str) -> tuple[str, ...]:
+    """A sequence longer than the model's ``max_position_embeddings`` (a described model's config)."""
+    d = s.model.description
+    limit = d.max_position_embeddings if d is not None else None
+    if limit is not None and s.training.seq_len > limit:
+        return (
+            f"{where}: training.seq_len = {s.training.seq_len} exceeds the model's max_position_embeddings "
+            f"({limit}); it was not trained for it (RoPE scaling or a long-context variant is needed)",
+        )
+    return ()
 
 
 def read_scenario_toml(path: str | Path) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from sim.workload.options import CheckpointMode, OptimizerName, Strategy, WrapPo
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSection:
-    preset: str | None = None
+    preset: str | None = None  # a Llama preset, or a name / hub id of the bundled config library
+    config: str | None = None  # a Hugging Face config.json (path relative to the scenario file)
     n_layers: int | None = None
     hidden: int | None = None
     n_heads: int | None = None
@@ -122,6 +123,7 @@ class Scenario:
     simulation: SimulationSection
     gpus_per_node: int  # cluster.gpus_per_node, else the cluster's or the profile's; resolved at load
     cluster_spec: ClusterSpec | None = None  # the cluster cluster.name names, read at load
+    warnings: tuple[str, ...] = ()  # what the scenario asks that its model was not built for
 
     @property
     def param_dtype(self) -> str:

@@ -11,20 +11,57 @@ without the flash-attention backward's recomputation. HFU adds what the hardware
 with full activation checkpointing every block's forward, 2·N_blocks + 4·L·H·Q·T per token
 (and the matmuls selective checkpointing recomputes).
 Both are divided by the dense peak of the compute dtype.
+
+A described model (``model.config``) counts what its measured ops compute: N is the matmul FLOPs
+of one forward per token over 2 — the parameters a token meets, so a mixture of experts counts
+its active experts only (as MoE MFU is reported) — and the attention term sums each layer's own
+heads and head dimensions.
 """
 
 from sim.workload.checkpointing import CheckpointPlan
+from sim.workload.description import ModelDescription
 from sim.workload.model import ModelConfig, layer_params, n_params
 
 
+def _tokens(d: ModelDescription) -> int:
+    return d.micro_batch * d.seq_len
+
+
 def matmul_params(model: ModelConfig) -> int:
-    """N of the formula: every parameter but an untied token embedding."""
+    """N of the formula: every parameter but an untied token embedding (a described model: the
+    parameters one token's matmuls use)."""
+    d = model.description
+    if d is not None:
+        return round(sum(op.flops for op in d.ops) / (2 * _tokens(d)))
     return n_params(model) - (0 if model.tie_embeddings else model.vocab * model.hidden)
+
+
+def _attention_width(d: ModelDescription, block: int | None = None) -> float:
+    """Σ heads × head dimension over the attention calls (of one block, when given)."""
+    calls = [op.attention for op in d.ops if op.attention is not None and block in (None, op.block)]
+    return sum(c.heads * (c.head_dim + c.v_head_dim) / 2 for c in calls if c is not None)
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs of the attention matmuls per token, all layers: 4·L·H·Q·T."""
+    if model.description is not None:
+        return 4.0 * _attention_width(model.description) * seq_len
     return 4.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
+
+
+def _described_recompute(d: ModelDescription, seq_len: int, plan: CheckpointPlan) -> float:
+    """Per token: each checkpointed block's matmuls (under op-level SAC the second, fourth, ...
+    single matmuls and every grouped one) and, with full regions, its attention."""
+    total = 0.0
+    for block in plan.blocks:
+        ops = [op for op in d.ops if op.block == block and op.flops]
+        if plan.selective_op:
+            singles = [op for op in ops if len(op.gemms) == 1 and op.gemms[0][3] == 1]
+            total += sum(op.flops for i, op in enumerate(singles) if i % 2)
+            total += sum(op.flops for op in ops if op not in singles)
+        else:
+            total += sum(op.flops for op in ops) + 4.0 * _attention_width(d, block) * seq_len * _tokens(d)
+    return total / _tokens(d)
 
 
 def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
@@ -38,6 +75,8 @@ def recompute_flops_per_token(model: ModelConfig, seq_len: int, plan: Checkpoint
     (k, o and up: torchtitan keeps every other mm's output, and attention's)."""
     if not plan.active:
         return 0.0
+    if model.description is not None:
+        return _described_recompute(model.description, seq_len, plan)
     q, k, v, o, gate, up, down, *_ = layer_params(model, 0)
     if plan.selective_op:
         per_block = 2.0 * (k.numel + o.numel + up.numel)

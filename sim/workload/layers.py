@@ -65,6 +65,13 @@ class AttentionShape:
     kv_heads: int
     head_dim: int
     causal: bool = True
+    v_head_dim: int | None = None  # when values differ from queries and keys (DeepSeek's MLA)
+    window: int | None = None  # sliding-window attention: keys attended per query at most
+
+    @property
+    def flops_head_dim(self) -> float:
+        """The head dimension of the FLOP count: QKᵀ runs on ``head_dim``, AV on ``v_head_dim``."""
+        return self.head_dim if self.v_head_dim is None else (self.head_dim + self.v_head_dim) / 2
 
 
 class LayerKind(StrEnum):
@@ -75,6 +82,8 @@ class LayerKind(StrEnum):
     MLP_ACT = "mlp_act"
     ROTARY = "rotary"
     LOSS = "loss"
+    EXPERTS = "experts"  # a mixture of experts' grouped matmuls
+    ELEMENTWISE = "elementwise"  # a module's own work between its children (residual adds, RoPE)
 
 
 class CalibrationGroup(StrEnum):
@@ -104,6 +113,8 @@ class LayerOp:
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
     gemm: tuple[int, int, int] | None = None  # (M, N, K) of a linear's forward matmul
+    # several matmuls in one op, each (M, N, K, count): grouped expert matmuls, a LoRA linear
+    grouped_gemms: tuple[tuple[int, int, int, int], ...] = ()
     attention: AttentionShape | None = None
     host_ops: int = 0  # Python-level torch calls of the eager forward
     backward_memory_factor: float = 2.0  # backward bytes over forward bytes of the memory-bound work
@@ -189,34 +200,64 @@ def _linear(spec: ParamSpec, w: Workload, block: int | None) -> LayerOp:
     )
 
 
-def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
-    t, a, s = w.tokens, w.act_bytes, w.seq_len
-    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_dim
+def attention_kernel_figures(
+    shape: AttentionShape, w: Workload, *, output_saved: bool = True
+) -> tuple[float, int, int, int]:
+    """(forward FLOPs, saved, forward transient, backward transient bytes) of the attention kernel.
+
+    A fused kernel (flash, memory-efficient, cuDNN) keeps q, k, v, its output and the fp32
+    log-sum-exp, and its backward an fp32 dq accumulator; causal masking halves its FLOPs and a
+    sliding window skips the pairs outside it. The math path also keeps the fp32 softmax and
+    its cast, and holds the s² scores as transients. ``output_saved=False`` when the output is
+    counted elsewhere (a described model measures it at the output projection).
+    """
+    t, a, s = w.tokens, w.act_bytes, shape.seq_len
+    q_dim = shape.heads * shape.head_dim
+    out_dim = shape.heads * (shape.v_head_dim or shape.head_dim)
+    kv_dim = shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
     flash = w.attention_kernel != "math"
-    saved = t * (a * (2 * q_dim + 2 * kv_dim) + FP32_BYTES * cfg.n_heads)
+    saved = t * (a * (q_dim + kv_dim + (out_dim if output_saved else 0)) + FP32_BYTES * shape.heads)
     fwd_transient = bwd_transient = 0
     if flash:
         bwd_transient = t * q_dim * FP32_BYTES  # fp32 dq accumulator of the flash backward
     else:
-        scores = t * cfg.n_heads * s
+        scores = t * shape.heads * s
         saved += scores * (FP32_BYTES + a)
         fwd_transient = scores * FP32_BYTES
         bwd_transient = 2 * scores * FP32_BYTES
+    width = shape.heads * shape.flops_head_dim
+    if flash and shape.window is not None and shape.window < s:  # keys attended per query, on average
+        pairs = shape.window - shape.window**2 / (2.0 * s) if shape.causal else 2.0 * shape.window
+        flops = 4.0 * t * pairs * width
+    else:
+        flops = 4.0 * t * s * width * (0.5 if flash and shape.causal else 1.0)
+    return flops, saved, fwd_transient, bwd_transient
+
+
+def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
+    t, a = w.tokens, w.act_bytes
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_dim
+    shape = AttentionShape(
+        batch=w.micro_batch,
+        seq_len=w.seq_len,
+        heads=cfg.n_heads,
+        kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+    )
+    flops, saved, fwd_transient, bwd_transient = attention_kernel_figures(shape, w)
     return LayerOp(
         name=f"{layer_prefix(i)}.self_attn.attention",
         module=f"{layer_prefix(i)}.self_attn",
         kind=LayerKind.ATTENTION,
         block=i,
         params=(),
-        flops=4.0 * t * s * q_dim * (0.5 if flash else 1.0),
+        flops=flops,
         memory_bytes=10.0 * t * (q_dim + kv_dim) * a
         + 2.0 * t * q_dim * a,  # RoPE on q and k, the output's copy
         saved_bytes=saved,
         forward_transient_bytes=fwd_transient,
         backward_transient_bytes=bwd_transient,
-        attention=AttentionShape(
-            batch=w.micro_batch, seq_len=s, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim
-        ),
+        attention=shape,
         host_ops=HOST_OPS["attention"],
     )
 
@@ -280,12 +321,14 @@ def block_ops(cfg: ModelConfig, i: int, w: Workload) -> list[LayerOp]:
 
 def model_buffer_bytes(cfg: ModelConfig) -> int:
     """HF's LlamaRotaryEmbedding keeps ``inv_freq`` and ``original_inv_freq`` (head_dim/2 fp32 each);
-    FSDP does not shard buffers."""
+    FSDP does not shard buffers. A described model: the buffers ``transformers`` built."""
+    if cfg.description is not None:
+        return cfg.description.buffer_bytes
     return 2 * (cfg.head_dim // 2) * FP32_BYTES
 
 
 @cache
-def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
+def llama_layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
     """Every op of one forward pass in execution order: embedding, blocks, final norm, head, loss."""
     specs = {s.name: s for s in param_specs(cfg)}
     t, a, vocab = w.tokens, w.act_bytes, cfg.vocab

@@ -7,9 +7,10 @@ input_layernorm, post_attention_layernorm, then the final norm and lm_head. Llam
 
 from dataclasses import dataclass
 from functools import cache
-from math import prod
 
 from sim.errors import UserError
+from sim.workload.description import ModelDescription
+from sim.workload.params import ParamSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,10 +25,31 @@ class ModelConfig:
     ffn_hidden: int
     vocab: int
     tie_embeddings: bool = False
+    # a model built from its Hugging Face config (``model.config``, the library presets): its
+    # parameters, units and measured ops; None for the hand-written Llama dimensions above
+    description: ModelDescription | None = None
 
     @property
     def head_dim(self) -> int:
+        if self.description is not None:
+            return self.description.head_dim
         return self.hidden // self.n_heads
+
+    @staticmethod
+    def of(description: ModelDescription) -> "ModelConfig":
+        """The dimensions of a described model (its representative ones where layers differ)."""
+        d = description
+        return ModelConfig(
+            name=d.name,
+            n_layers=d.n_layers,
+            hidden=d.hidden,
+            n_heads=d.n_heads,
+            n_kv_heads=d.n_kv_heads,
+            ffn_hidden=d.ffn_hidden,
+            vocab=d.vocab,
+            tie_embeddings=d.tie_embeddings,
+            description=d,
+        )
 
     @property
     def kv_dim(self) -> int:
@@ -35,6 +57,8 @@ class ModelConfig:
 
     def check(self, where: str) -> None:
         """Raise a UserError naming ``where`` when the dimensions cannot form a Llama model."""
+        if self.description is not None:
+            return  # transformers built it: its dimensions are consistent by construction
         for field in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn_hidden", "vocab"):
             if getattr(self, field) <= 0:
                 raise UserError(f"{where}: model.{field} must be a positive integer")
@@ -95,22 +119,6 @@ def preset(name: str, where: str = "scenario") -> ModelConfig:
         raise UserError(f"{where}: unknown model.preset {name!r}; allowed: {', '.join(PRESETS)}") from None
 
 
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter: its fully qualified name (as in HF) and shape."""
-
-    name: str
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
-
-    @property
-    def module(self) -> str:
-        return self.name.rsplit(".", 1)[0]
-
-
 def layer_prefix(i: int) -> str:
     return f"model.layers.{i}"
 
@@ -133,7 +141,10 @@ def layer_params(cfg: ModelConfig, i: int) -> list[ParamSpec]:
 
 @cache
 def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
-    """Every parameter of ``LlamaForCausalLM(cfg)`` in registration order (tied head counted once)."""
+    """Every parameter of ``LlamaForCausalLM(cfg)`` in registration order (tied head counted once);
+    of a described model, the parameters ``transformers`` built."""
+    if cfg.description is not None:
+        return cfg.description.params
     specs = [ParamSpec("model.embed_tokens.weight", (cfg.vocab, cfg.hidden))]
     for i in range(cfg.n_layers):
         specs += layer_params(cfg, i)

@@ -74,10 +74,14 @@ def unit_prefixes(cfg: ModelConfig, wrap: WrapPolicy) -> list[str]:
     if wrap is WrapPolicy.MODEL:
         return []
     if wrap is WrapPolicy.BLOCK:
+        if cfg.description is not None:  # the class's _no_split_modules
+            return list(cfg.description.blocks)
         return [layer_prefix(i) for i in range(cfg.n_layers)]
-    linear_modules = [s.module for s in param_specs(cfg) if len(s.shape) == 2]
+    # every module with a matrix: linears, embeddings, and experts' stacked (3-D) weights
+    linear_modules = list(dict.fromkeys(s.module for s in param_specs(cfg) if len(s.shape) >= 2))
     if cfg.tie_embeddings:  # a tied weight must stay in one unit: the root's
-        linear_modules = [m for m in linear_modules if m != "model.embed_tokens"]
+        embed = "model.embed_tokens" if cfg.description is None else param_specs(cfg)[0].module
+        linear_modules = [m for m in linear_modules if m != embed]
     return linear_modules
 
 

@@ -1,0 +1,122 @@
+"""Traced ops into the description's op list: kinds, owning blocks, parameters, one entry per
+decoder layer (representatives copied under each layer's own names), in forward order."""
+
+from typing import Any
+
+from hfmodel.trace import OpRecord
+
+
+def _kind(op: OpRecord, direct_3d: set[str], after_head: bool) -> str:
+    t = op.module_type
+    if t == "AttentionProbe":
+        return "attention"
+    if t == "Embedding":
+        return "embed"
+    if t == "Linear" or (op.gemms and t.endswith("Router")):
+        return "linear"
+    if "Norm" in t:
+        return "norm"
+    if "Rotary" in t:
+        return "rotary"
+    if op.owner in direct_3d:
+        return "experts"
+    if after_head and op.owner == "":
+        return "loss"
+    return "elementwise"
+
+
+def _block_of(path: str, blocks: list[str]) -> int | None:
+    for i, prefix in enumerate(blocks):
+        if path == prefix or path.startswith(prefix + "."):
+            return i
+    return None
+
+
+def _useful(op: OpRecord) -> bool:
+    return bool(
+        op.flops
+        or op.memory_bytes
+        or op.saved_bytes
+        or op.forward_transient_bytes
+        or op.backward_transient_bytes
+    )
+
+
+def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[str]) -> list[dict[str, Any]]:
+    """One dict per useful op; an op that does nothing hands its host calls to the next."""
+    out: list[dict[str, Any]] = []
+    host, after_head, call_iter = 0, False, iter(calls)
+    for op in ops:
+        host += op.host_ops
+        kind = _kind(op, direct_3d, after_head)
+        attention = next(call_iter) if kind == "attention" else None
+        if kind == "linear" and op.gemms and op.owner.endswith("lm_head"):
+            after_head = True
+        if not _useful(op) and kind != "attention":
+            continue
+        out.append(
+            {
+                "module": op.owner,
+                "kind": kind,
+                "flops": op.flops,
+                "memory_bytes": op.memory_bytes,
+                "saved_bytes": op.saved_bytes,
+                "forward_transient_bytes": op.forward_transient_bytes,
+                "backward_transient_bytes": op.backward_transient_bytes,
+                "gemms": [list(g) for g in op.gemms],
+                "attention": attention,
+                "host_ops": host,
+            }
+        )
+        host = 0
+    return out
+
+
+def _rename(entry: dict[str, Any], old: str, new: str, block: int) -> dict[str, Any]:
+    module = entry["module"]
+    module = new + module[len(old) :] if module == old or module.startswith(old + ".") else module
+    attention = entry["attention"] and {**entry["attention"], "module": module}
+    return {**entry, "module": module, "block": block, "attention": attention}
+
+
+def _with_params(entries: list[dict[str, Any]], param_modules: dict[str, str]) -> None:
+    """Each parameter to the first op of its module (or of the nearest module that has an op)."""
+    first: dict[str, dict[str, Any]] = {}
+    for e in entries:
+        e["params"] = []
+        first.setdefault(e["module"], e)
+    for name, module in param_modules.items():
+        path = module
+        while path not in first and path:
+            path = path.rpartition(".")[0]
+        (first.get(path) or entries[0])["params"].append(name)
+
+
+def _names(entries: list[dict[str, Any]]) -> None:
+    seen: dict[str, int] = {}
+    for e in entries:
+        base = f"{e['module']}.attention" if e["kind"] == "attention" else (e["module"] or "loss")
+        seen[base] = seen.get(base, 0) + 1
+        e["name"] = base if seen[base] == 1 else f"{base}#{seen[base]}"
+
+
+def assemble_ops(
+    ops: list[OpRecord], calls: list[dict[str, Any]], meta: dict[str, Any], blocks: list[str]
+) -> list[dict[str, Any]]:
+    entries = _entries(ops, calls, set(meta["direct_3d"]))
+    for e in entries:
+        e["block"] = _block_of(e["module"], blocks)
+    pre = [e for e in entries if e["block"] is None and not _after_blocks(e, entries)]
+    post = [e for e in entries if e["block"] is None and _after_blocks(e, entries)]
+    out = list(pre)
+    for i, rep in enumerate(meta["reps"]):
+        out += [_rename(e, blocks[rep], blocks[i], i) for e in entries if e["block"] == rep]
+    out += post
+    _with_params(out, meta["param_modules"])
+    _names(out)
+    return out
+
+
+def _after_blocks(entry: dict[str, Any], entries: list[dict[str, Any]]) -> bool:
+    index = entries.index(entry)
+    return any(e["block"] is not None for e in entries[:index])

@@ -1,0 +1,107 @@
+"""The attention probe: an attention implementation registered with ``transformers`` that records
+each call's shape and returns an output of the right shape while saving nothing.
+
+What the attention kernel itself computes and keeps (q, k, v, the output and its log-sum-exp for
+a fused kernel; the s² scores on the math path) depends on the kernel the hardware runs, not on
+the model, so the simulator adds it per kernel (``sim.workload.layers.attention_op``); the probe
+lets the model's own work around it (projections, RoPE, q/k norms, the output copy) be measured
+without the CPU kernel's choices leaking in.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PROBE = "fsdpsim_probe"
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    module: str
+    batch: int
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    causal: bool
+    window: int | None
+
+
+class _Empty(torch.autograd.Function):
+    """Output of the attention's shape; gradients of q, k, v of theirs; nothing saved."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = (q, k, v)
+        b, h, s, _ = q.shape
+        return q.new_empty(b, s, h, v.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(grad.new_empty(t.shape) for t in ctx.shapes)
+
+
+class ProbeRecorder:
+    """Registers the probe; ``calls`` lists every attention call of the traced forward."""
+
+    def __init__(self, tracer: Any, paths: dict[int, str]):
+        self.tracer = tracer
+        self.paths = paths  # id(module) -> module path
+        self.calls: list[AttentionCall] = []
+
+    def attention(
+        self,
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ):
+        path = self.paths.get(id(module), "attention")
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        self.calls.append(
+            AttentionCall(
+                module=path,
+                batch=query.shape[0],
+                seq_len=query.shape[2],
+                heads=query.shape[1],
+                kv_heads=key.shape[1],
+                head_dim=query.shape[-1],
+                v_head_dim=value.shape[-1],
+                causal=bool(getattr(module, "is_causal", True)),
+                window=int(window) if window else None,
+            )
+        )
+        self.tracer.probe_owner = f"attention:{path}"
+        try:
+            out = _Empty.apply(query, key, value)
+            if out.grad_fn is not None and self.tracer.ops:
+                self.tracer.node_op[out.grad_fn] = self.tracer.ops[-1].index
+        finally:
+            self.tracer.probe_owner = None
+        return out, None
+
+    def register(self) -> None:
+        """Make this recorder the one the registered probe reports to."""
+        ACTIVE[:] = [self]
+
+
+ACTIVE: list[ProbeRecorder] = []
+
+
+def probe_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+):
+    """The function registered as ``attn_implementation = "fsdpsim_probe"``."""
+    if not ACTIVE:
+        raise RuntimeError("the attention probe runs only inside hfmodel.describe")
+    return ACTIVE[0].attention(module, query, key, value, *args, **kwargs)
+
+
+def register_probe() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PROBE, probe_attention)

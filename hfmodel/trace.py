@@ -1,0 +1,275 @@
+"""One forward and backward of a model under ``FakeTensorMode``, cut into ops and measured.
+
+An *op* is a run of consecutive aten calls owned by one module (the innermost module whose
+forward is running), or by the attention probe (``hfmodel.probe``). For each op:
+- ``flops``: forward FLOPs by ``torch.utils.flop_counter``'s formulas (plus grouped matmuls);
+- ``gemms``: the (M, N, K, count) of every matmul it runs;
+- ``memory_bytes``: what eager PyTorch moves outside matmuls: every non-view aten call reads its
+  tensor inputs and writes its outputs;
+- ``saved_bytes``: storages autograd saves (``saved_tensors_hooks``), each once, parameters
+  excepted, counted at the op that created them;
+- ``forward_transient_bytes``: the most that is alive during the op of what the forward created
+  and autograd does not keep (e.g. the logits, consumed by the loss);
+- ``backward_transient_bytes``: the most alive during the op's backward (the autograd node being
+  run, ``torch._C._current_autograd_node``) of what the backward created, parameter gradients
+  excepted;
+- ``host_ops``: Python-level torch calls of its forward (``TorchFunctionMode``), the eager
+  dispatches a GPU host pays.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm", "grouped_mm_fallback")
+# Python-level calls that dispatch no kernel (attribute reads and shape queries)
+# aten calls that move no data although their schema does not say they alias
+ZERO_COPY = (
+    "prim.",
+    "aten._unsafe_view",
+    "aten.detach",
+    "aten.lift_fresh",
+    "aten.alias",
+    "aten._reshape_alias",
+)
+NOT_DISPATCHED = {"__get__", "size", "dim", "numel", "stride", "is_floating_point", "__len__", "__format__"}
+
+
+@dataclass
+class OpRecord:
+    owner: str  # module path; "attention:<path>" for the probe
+    module_type: str
+    index: int
+    flops: float = 0.0
+    memory_bytes: float = 0.0
+    saved_bytes: int = 0
+    forward_transient_bytes: int = 0
+    backward_transient_bytes: int = 0
+    host_ops: int = 0
+    gemms: list[tuple[int, int, int, int]] = field(default_factory=list)
+    aten_ops: list[int] = field(default_factory=list)  # global forward op indices
+    backward_ops: list[int] = field(default_factory=list)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _key(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+def gemm_shape(name: str, args: tuple[Any, ...]) -> tuple[int, int, int, int] | None:
+    """(M, N, K, count) of a matmul call; a grouped matmul as its experts' mean shape."""
+    mats = _tensors(args)
+    if "grouped_mm" in name:
+        x, w = mats[0], mats[1]
+        experts = w.shape[0]
+        return (max(1, x.shape[0] // experts), w.shape[-1], x.shape[-1], experts)
+    a, b = (mats[1], mats[2]) if name.startswith(("aten.addmm", "aten.baddbmm")) else (mats[0], mats[1])
+    count = a.shape[0] if a.dim() == 3 else 1
+    return (a.shape[-2], b.shape[-1], a.shape[-1], count)
+
+
+def matmul_flops(name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
+    if "grouped_mm" in name:
+        x, w = _tensors(args)[:2]
+        return 2.0 * x.shape[0] * x.shape[-1] * w.shape[-1]
+    formula = flop_registry.get(func.overloadpacket)
+    return float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
+
+
+class Owners:
+    """Which module runs now: a stack kept by forward pre/post hooks on every module."""
+
+    def __init__(self, model: nn.Module):
+        self.stack: list[tuple[str, str]] = [("", type(model).__name__)]
+        self.handles = []
+        for path, module in model.named_modules():
+            if path:
+                self.handles.append(module.register_forward_pre_hook(self._push(path)))
+                self.handles.append(module.register_forward_hook(self._pop))
+
+    def _push(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.stack.append((path, type(module).__name__))
+
+        return hook
+
+    def _pop(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.stack.pop()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class Tracer(TorchDispatchMode):
+    """Cuts the aten calls into ops and records storages' lives (see the module docstring)."""
+
+    def __init__(self, owners: Owners, params: list[nn.Parameter]):
+        super().__init__()
+        self.owners = owners
+        self.ops: list[OpRecord] = []
+        self.backward = False
+        self.step = 0  # aten calls so far (forward and backward)
+        self.param_keys = {_key(p) for p in params}
+        # storage key -> [uid, bytes, created, died, op index, backward?]
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.storages: list[list[Any]] = []
+        self.node_op: dict[Any, int] = {}  # autograd node -> op index
+        self.saved: set[int] = set()  # uids autograd keeps
+        self.probe_owner: str | None = None
+        self._last_op = 0
+
+    # -- which op an aten call belongs to ----------------------------------------------------
+
+    def _current_forward_op(self) -> OpRecord:
+        path, kind = self.owners.stack[-1]
+        owner = self.probe_owner or path
+        if self.probe_owner:
+            kind = "AttentionProbe"
+        if not self.ops or self.ops[-1].owner != owner:
+            self.ops.append(OpRecord(owner=owner, module_type=kind, index=len(self.ops)))
+        return self.ops[-1]
+
+    def _current_backward_op(self) -> int:
+        node = torch._C._current_autograd_node()
+        index = self.node_op.get(node) if node is not None else None
+        if index is not None:
+            self._last_op = index
+        return self._last_op
+
+    # -- storages ------------------------------------------------------------------------------
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            _, uid = self.live.pop(key)
+            self.storages[uid][3] = self.step
+
+    def _record_outputs(self, out: Any, inputs: set[int], op: int) -> None:
+        for t in _tensors(out):
+            key = _key(t)
+            if key in self.live or key in inputs or key in self.param_keys:
+                continue
+            uid = len(self.storages)
+            self.live[key] = (StorageWeakRef(t.untyped_storage()), uid)
+            self.storages.append([uid, t.untyped_storage().nbytes(), self.step, None, op, self.backward])
+
+    def uid_of(self, t: torch.Tensor) -> int | None:
+        entry = self.live.get(_key(t))
+        return None if entry is None else entry[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._sweep()
+        name = str(func)
+        out = func(*args, **kwargs)
+        self.step += 1
+        inputs = {_key(t) for t in _tensors((args, kwargs))}
+        if self.backward:
+            index = self._current_backward_op()
+            self.ops[index].backward_ops.append(self.step)
+            self._record_outputs(out, inputs, index)
+            return out
+        op = self._current_forward_op()
+        op.aten_ops.append(self.step)
+        if name.startswith(MATMULS) or "grouped_mm" in name:
+            op.flops += matmul_flops(name, func, args, kwargs, out)
+            shape = gemm_shape(name, args)
+            if shape is not None:
+                op.gemms.append(shape)
+        elif not func.is_view and not name.startswith(ZERO_COPY):
+            op.memory_bytes += sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(
+                _nbytes(t) for t in _tensors(out)
+            )
+        self._record_outputs(out, inputs, op.index)
+        return out
+
+
+class HostCalls(TorchFunctionMode):
+    """Counts the Python-level torch calls of each owner in forward, and maps the autograd nodes
+    they create to the op that ran them (autograd sits above the dispatch mode, so only here do
+    outputs carry their ``grad_fn``)."""
+
+    def __init__(self, owners: Owners, tracer: Tracer):
+        super().__init__()
+        self.owners, self.tracer = owners, tracer
+        self.pending = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        ops = self.tracer.ops
+        if self.tracer.backward or not ops:
+            return result
+        if getattr(func, "__name__", "") not in NOT_DISPATCHED:
+            ops[-1].host_ops += 1
+        for t in _tensors(result):
+            if t.grad_fn is not None and t.grad_fn not in self.tracer.node_op:
+                self.tracer.node_op[t.grad_fn] = ops[-1].index
+        return result
+
+
+class SavedBytes:
+    """``saved_tensors_hooks`` that note each storage autograd keeps (parameters excepted)."""
+
+    def __init__(self, tracer: Tracer):
+        self.tracer = tracer
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        tracer = self.tracer
+        key = _key(t)
+        if key in tracer.param_keys:
+            return t
+        uid = tracer.uid_of(t)
+        if uid is None:  # created outside the traced forward (the token ids): count where saved
+            tracer._record_outputs(t, set(), tracer.ops[-1].index if tracer.ops else 0)
+            uid = tracer.uid_of(t)
+        if uid is not None:
+            tracer.saved.add(uid)
+        return t
+
+
+def peak_per_op(events: list[tuple[int, int]], windows: dict[int, list[int]], steps: int) -> dict[int, int]:
+    """For each op, the most alive at any of its steps, given (step, +/-bytes) events."""
+    delta = [0] * (steps + 2)
+    for step, nbytes in events:
+        delta[min(step, steps + 1)] += nbytes
+    alive, running = [0] * (steps + 2), 0
+    for i, d in enumerate(delta):
+        running += d
+        alive[i] = running
+    return {op: max((alive[s] for s in window), default=0) for op, window in windows.items()}
+
+
+def finish(tracer: Tracer, param_grad_keys: set[int]) -> None:
+    """Saved bytes and transients of every op, from the storages' recorded lives."""
+    tracer._sweep()
+    steps = tracer.step
+    forward_events, backward_events = [], []
+    for uid, nbytes, created, died, op, in_backward in tracer.storages:
+        end = steps + 1 if died is None else died
+        if not in_backward and uid in tracer.saved:
+            tracer.ops[op].saved_bytes += nbytes
+        elif not in_backward:
+            forward_events += [(created, nbytes), (end, -nbytes)]
+        elif died is not None or not param_grad_keys:
+            backward_events += [(created, nbytes), (end, -nbytes)]
+    fwd = peak_per_op(forward_events, {o.index: o.aten_ops for o in tracer.ops}, steps)
+    bwd = peak_per_op(backward_events, {o.index: o.backward_ops for o in tracer.ops}, steps)
+    for o in tracer.ops:
+        o.forward_transient_bytes = fwd[o.index]
+        o.backward_transient_bytes = bwd[o.index]

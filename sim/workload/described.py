@@ -1,0 +1,106 @@
+"""The layer ops of a described model (``sim.workload.description``), for the same consumers as
+the hand-written Llama ops: the GPU kernel model (matmul shapes), the memory ledger (saved bytes
+and transients), the host stream (Python-level calls) and selective checkpointing (kept outputs).
+
+Each measured op becomes one ``LayerOp``; an attention op adds the attention kernel's own
+FLOPs, saved bytes and transients for the kernel the profile runs
+(``sim.workload.layers.attention_kernel_figures``). Ops were measured at one micro-batch,
+sequence length and dtype; the scenario loader measures at the scenario's.
+"""
+
+from collections.abc import Sequence
+from functools import cache
+
+from sim.errors import UserError
+from sim.workload.description import DescribedOp, ModelDescription
+from sim.workload.layers import (
+    AttentionShape,
+    LayerKind,
+    LayerOp,
+    Workload,
+    _sac_kept,
+    attention_kernel_figures,
+)
+from sim.workload.params import ParamSpec
+
+KINDS = {k.value: k for k in LayerKind}
+
+
+def _check_workload(d: ModelDescription, w: Workload) -> None:
+    measured = (d.micro_batch, d.seq_len)
+    if measured != (w.micro_batch, w.seq_len):
+        raise UserError(
+            f"model {d.name}: described at micro-batch {d.micro_batch} and sequence length {d.seq_len}, "
+            f"asked for {w.micro_batch} and {w.seq_len}"
+        )
+
+
+def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
+    assert op.attention is not None
+    a = op.attention
+    shape = AttentionShape(
+        batch=a.batch,
+        seq_len=a.seq_len,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        causal=a.causal,
+        v_head_dim=a.v_head_dim if a.v_head_dim != a.head_dim else None,
+        window=a.window,
+    )
+    flops, saved, fwd, bwd = attention_kernel_figures(shape, w, output_saved=False)
+    return LayerOp(
+        name=base.name,
+        module=base.module,
+        kind=LayerKind.ATTENTION,
+        block=base.block,
+        params=base.params,
+        flops=base.flops + flops,
+        memory_bytes=base.memory_bytes,
+        saved_bytes=base.saved_bytes + saved,
+        forward_transient_bytes=base.forward_transient_bytes + fwd,
+        backward_transient_bytes=base.backward_transient_bytes + bwd,
+        attention=shape,
+        host_ops=base.host_ops,
+    )
+
+
+def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload) -> LayerOp:
+    single = len(op.gemms) == 1 and op.gemms[0][3] == 1
+    base = LayerOp(
+        name=op.name,
+        module=op.module,
+        kind=KINDS.get(op.kind, LayerKind.ELEMENTWISE),
+        block=op.block,
+        params=tuple(specs[p] for p in op.params),
+        flops=op.flops,
+        memory_bytes=op.memory_bytes,
+        saved_bytes=op.saved_bytes,
+        forward_transient_bytes=op.forward_transient_bytes,
+        backward_transient_bytes=op.backward_transient_bytes,
+        gemm=op.gemms[0][:3] if single else None,
+        grouped_gemms=() if single else op.gemms,
+        host_ops=op.host_ops,
+    )
+    return _attention_op(op, base, w) if op.attention is not None else base
+
+
+def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
+    """torchtitan's op-level policy applied block by block, as for the hand-written ops."""
+    out: list[LayerOp] = []
+    i = 0
+    while i < len(ops):
+        j = i
+        while j < len(ops) and ops[j].block == ops[i].block:
+            j += 1
+        run = list(ops[i:j])
+        out += _sac_kept(run, w) if ops[i].block is not None else run
+        i = j
+    return out
+
+
+@cache
+def described_layer_ops(d: ModelDescription, w: Workload) -> tuple[LayerOp, ...]:
+    _check_workload(d, w)
+    specs = {s.name: s for s in d.params}
+    return tuple(_with_sac([_layer_op(op, specs, w) for op in d.ops], w))

@@ -1,0 +1,209 @@
+"""A model described by its measured ops: what ``hfmodel`` extracts from a Hugging Face config.
+
+The description (JSON, ``version`` 1) is written on the torch side (``hfmodel.describe``) and read
+here without torch. It holds:
+- ``params``: every parameter as ``transformers`` builds it on the meta device (name, shape,
+  registration order, a tied weight once), and ``buffer_bytes`` (module buffers, unsharded);
+- ``blocks``: the wrap units, the module paths of the class's ``_no_split_modules``;
+- ``dims``: the config's dimensions (layers, hidden, heads, KV heads, head dim, vocabulary, ...),
+  and ``moe`` (experts, top-k, shared experts) when the model has experts;
+- ``measured``: the micro-batch, sequence length and dtype the ops were measured at;
+- ``ops``: the forward in execution order, each with its module, kind, decoder block, the
+  parameters it owns, forward FLOPs, the (M, N, K, count) of its matmuls, bytes moved by its
+  elementwise work, saved-activation bytes, forward and backward transients and Python-level
+  calls; an attention op also carries its call's shape (the kernel's own work is added per kernel
+  by ``sim.workload.layers.attention_kernel_figures``, since it depends on the hardware).
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from sim.errors import UserError
+from sim.workload.params import ParamSpec
+
+DESCRIPTION_VERSION = 1
+GEMM_FIELDS = 4  # (M, N, K, count)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionCall:
+    """One attention call as the model makes it (heads and head dims as the kernel sees them)."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    causal: bool = True
+    window: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DescribedOp:
+    name: str
+    module: str
+    kind: str
+    block: int | None
+    params: tuple[str, ...]
+    flops: float
+    memory_bytes: float
+    saved_bytes: int
+    forward_transient_bytes: int
+    backward_transient_bytes: int
+    gemms: tuple[tuple[int, int, int, int], ...] = ()
+    attention: AttentionCall | None = None
+    host_ops: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeFacts:
+    experts: int
+    top_k: int
+    shared_experts: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ModelDescription:
+    """Compared and hashed by ``key`` (config hash and measured dims): caches stay cheap."""
+
+    name: str
+    model_type: str
+    architecture: str
+    config_sha256: str
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+    vocab: int
+    tie_embeddings: bool
+    max_position_embeddings: int | None
+    moe: MoeFacts | None
+    params: tuple[ParamSpec, ...]
+    buffer_bytes: int
+    blocks: tuple[str, ...]
+    micro_batch: int
+    seq_len: int
+    dtype: str
+    ops: tuple[DescribedOp, ...]
+    config_json: str = "{}"  # the config.json itself, so that validation builds the same model
+    key: str = field(default="")
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ModelDescription) and other.key == self.key
+
+
+class _Reader:
+    """Typed access to one JSON object, every mistake named by the file and key."""
+
+    def __init__(self, data: Any, where: str):
+        if not isinstance(data, dict):
+            raise UserError(f"{where}: expected a JSON object")
+        self.data, self.where = data, where
+
+    def get(self, key: str, tp: type | tuple[type, ...]) -> Any:
+        if key not in self.data:
+            raise UserError(f"{self.where}: missing key {key!r}")
+        value = self.data[key]
+        if not isinstance(value, tp) or (isinstance(value, bool) and tp in (int, float)):
+            raise UserError(f"{self.where}: {key} has the wrong type ({type(value).__name__})")
+        return value
+
+
+def _gemms(raw: list[Any], where: str) -> tuple[tuple[int, int, int, int], ...]:
+    out = []
+    for g in raw:
+        if not (
+            isinstance(g, list) and len(g) == GEMM_FIELDS and all(isinstance(x, int) and x > 0 for x in g)
+        ):
+            raise UserError(f"{where}: gemms entries must be [M, N, K, count] of positive integers")
+        out.append((g[0], g[1], g[2], g[3]))
+    return tuple(out)
+
+
+def _op(raw: Any, where: str) -> DescribedOp:
+    r = _Reader(raw, where)
+    att = raw.get("attention")
+    call = None
+    if att is not None:
+        a = _Reader(att, f"{where}.attention")
+        call = AttentionCall(
+            **{k: a.get(k, int) for k in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "v_head_dim")},
+            causal=a.get("causal", bool),
+            window=att.get("window"),
+        )
+    return DescribedOp(
+        name=r.get("name", str),
+        module=r.get("module", str),
+        kind=r.get("kind", str),
+        block=raw.get("block"),
+        params=tuple(r.get("params", list)),
+        flops=float(r.get("flops", (int, float))),
+        memory_bytes=float(r.get("memory_bytes", (int, float))),
+        saved_bytes=r.get("saved_bytes", int),
+        forward_transient_bytes=r.get("forward_transient_bytes", int),
+        backward_transient_bytes=r.get("backward_transient_bytes", int),
+        gemms=_gemms(r.get("gemms", list), where),
+        attention=call,
+        host_ops=r.get("host_ops", int),
+    )
+
+
+def description_key(config_sha256: str, micro_batch: int, seq_len: int, dtype: str) -> str:
+    return f"{config_sha256}:{micro_batch}:{seq_len}:{dtype}:v{DESCRIPTION_VERSION}"
+
+
+def parse_description(data: Any, where: str) -> ModelDescription:
+    """A ``ModelDescription`` from its JSON object, or a UserError naming ``where`` and the key."""
+    r = _Reader(data, where)
+    if r.get("version", int) != DESCRIPTION_VERSION:
+        raise UserError(
+            f"{where}: description version {data['version']} (this fsdp-sim reads {DESCRIPTION_VERSION})"
+        )
+    d = _Reader(r.get("dims", dict), f"{where}: dims")
+    m = _Reader(r.get("measured", dict), f"{where}: measured")
+    moe = data.get("moe")
+    params = tuple(ParamSpec(str(n), tuple(int(x) for x in s)) for n, s in r.get("params", list))
+    ops = tuple(_op(o, f"{where}: ops[{i}]") for i, o in enumerate(r.get("ops", list)))
+    sha, mb, seq, dtype = (
+        r.get("config_sha256", str),
+        m.get("micro_batch", int),
+        m.get("seq_len", int),
+        m.get("dtype", str),
+    )
+    return ModelDescription(
+        name=r.get("name", str),
+        model_type=r.get("model_type", str),
+        architecture=r.get("architecture", str),
+        config_sha256=sha,
+        **{
+            k: d.get(k, int)
+            for k in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "vocab")
+        },
+        tie_embeddings=d.get("tie_embeddings", bool),
+        max_position_embeddings=data["dims"].get("max_position_embeddings"),
+        moe=MoeFacts(**moe) if moe else None,
+        params=params,
+        buffer_bytes=r.get("buffer_bytes", int),
+        blocks=tuple(r.get("blocks", list)),
+        micro_batch=mb,
+        seq_len=seq,
+        dtype=dtype,
+        ops=ops,
+        config_json=json.dumps(r.get("config", dict), sort_keys=True),
+        key=description_key(sha, mb, seq, dtype),
+    )
+
+
+def read_description(text: str, where: str) -> ModelDescription:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not valid JSON ({e})") from None
+    return parse_description(data, where)

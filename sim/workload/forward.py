@@ -1,0 +1,13 @@
+"""The forward pass of any model as layer ops: the hand-written Llama ops
+(``sim.workload.layers``) or a described model's measured ones (``sim.workload.described``)."""
+
+from sim.workload.described import described_layer_ops
+from sim.workload.layers import LayerOp, Workload, llama_layer_ops
+from sim.workload.model import ModelConfig
+
+
+def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
+    """Every op of one forward pass in execution order."""
+    if cfg.description is not None:
+        return described_layer_ops(cfg.description, w)
+    return llama_layer_ops(cfg, w)
