@@ -94,6 +94,7 @@ def build_step(
         seq_len=training.seq_len,
         act_bytes=dtype_bytes(scenario.param_dtype),
         attention_kernel=profile.backend.attention_kernel,
+        loss=training.loss,
     )
     ops = layer_ops(model, workload)
     units = build_units(model, parallel.wrap)

@@ -46,6 +46,9 @@ class Roofline:
     hbm_Bps: float
 
     def op_s(self, op: LayerOp, attention_kernel: str) -> tuple[float, float]:
+        if op.gradients_in_forward:  # a fused linear cross-entropy: its backward's matmuls in forward
+            memory = op.memory_bytes / self.hbm_Bps
+            return 3.0 * op.flops / self.flops_per_s + memory, op.backward_memory_factor * memory
         fwd = op.flops / self.flops_per_s + op.memory_bytes / self.hbm_Bps
         return fwd, 2.0 * fwd
 
@@ -284,6 +287,11 @@ def build_compute_costs(
     compute = profile.compute
     if compute is None:
         return costs
+    if any(op.gradients_in_forward for op in ops):
+        raise UserError(
+            f"{where}: its compute section measured HF's eager loss; training.loss = \"fused\" is timed by "
+            "the analytic model only (use a profile without a compute section)"
+        )
     if model.description is not None:
         raise UserError(
             f"{where}: its compute section was measured on Llama units; model {model.name} comes from a "

@@ -129,6 +129,13 @@ class GpuKernelModel:
                 fwd + self.memory_s(op.memory_bytes),
                 bwd + self.memory_s(op.backward_memory_factor * op.memory_bytes),
             )
+        if op.gemm is not None and op.gradients_in_forward:  # the backward's matmuls run in forward
+            m, n, k = op.gemm
+            matmuls = self.gemm_s(m, n, k) + self.gemm_s(m, k, n) + self.gemm_s(n, k, m)
+            elementwise = op.memory_bytes
+            return matmuls + self.memory_s(elementwise), self.memory_s(
+                op.backward_memory_factor * elementwise
+            )
         if op.gemm is not None:
             m, n, k = op.gemm
             fwd = self.gemm_s(m, n, k)

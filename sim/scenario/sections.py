@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from sim.hardware.cluster import ClusterSpec
 from sim.workload.model import ModelConfig
-from sim.workload.options import CheckpointMode, OptimizerName, Strategy, WrapPolicy
+from sim.workload.options import CheckpointMode, LossKernel, OptimizerName, Strategy, WrapPolicy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +32,7 @@ class TrainingSection:
     seq_len: int = 2048
     grad_accum: int = 1
     avg_seq_len: int | None = None  # mean real tokens per sequence padded to seq_len; None: no padding
+    loss: LossKernel = LossKernel.EAGER  # eager (HF's cross-entropy) or fused (Liger's fused linear CE)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,12 +33,14 @@ its forward makes in eager mode (counted in HF ``modeling_llama.py``, ``HOST_OPS
 which costs the host one eager dispatch.
 """
 
+import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import cache, cached_property
 
 from sim.dtypes import INDEX_BYTES
 from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
+from sim.workload.options import LossKernel
 
 FP32_BYTES = 4
 
@@ -121,6 +123,9 @@ class LayerOp:
     # torchtitan's op-level selective checkpointing keeps this op's output (a matmul but every
     # second one in its block, or the attention kernel) instead of recomputing it: its bytes
     sac_kept_bytes: int = 0
+    # the op computes its input's and weight's gradients in its forward (a fused linear
+    # cross-entropy): its backward matmuls run in forward, and its backward only scales them
+    gradients_in_forward: bool = False
 
     @cached_property
     def group(self) -> CalibrationGroup | None:
@@ -140,6 +145,7 @@ class Workload:
     seq_len: int
     act_bytes: int  # activation dtype (param_dtype under FSDP2 MixedPrecisionPolicy)
     attention_kernel: str  # "flash", "cudnn", "efficient" (no seq^2 buffers) or "math"
+    loss: LossKernel = LossKernel.EAGER
 
     @property
     def tokens(self) -> int:
@@ -327,6 +333,41 @@ def model_buffer_bytes(cfg: ModelConfig) -> int:
     return 2 * (cfg.head_dim // 2) * FP32_BYTES
 
 
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def fused_linear_cross_entropy(
+    head: LayerOp, cfg: ModelConfig, w: Workload, params: tuple[ParamSpec, ...]
+) -> LayerOp:
+    """The head and the loss as Liger-Kernel's fused linear cross-entropy runs them
+    (``liger_kernel/ops/fused_linear_cross_entropy.py``): the tokens go through the lm_head a
+    chunk at a time, chunk = next power of two of ceil(BT / ceil(V / H)) tokens (so a chunk's
+    logits are about as large as the input); per chunk the cross-entropy kernel turns the logits
+    into their gradient in place, and the input's and the weight's gradients are accumulated right
+    away (``grad_input = zeros_like(input)``, ``grad_weight = zeros_like(weight)``, in the weight's
+    dtype). Forward runs the three matmuls; what it keeps for backward is those two gradients,
+    which backward only scales by the loss's gradient; nothing of the vocabulary's size outlives a
+    chunk."""
+    t, a, vocab, hidden = w.tokens, w.act_bytes, cfg.vocab, cfg.hidden
+    chunk = min(t, _next_power_of_two(math.ceil(t / math.ceil(vocab / hidden))))
+    gradients = t * hidden * a + vocab * hidden * a  # grad_input and grad_weight, from the start
+    return replace(
+        head,
+        name="lm_head+loss (fused)",
+        kind=LayerKind.LOSS,
+        params=params,
+        memory_bytes=float(2 * t * vocab * a),  # the CE kernel reads the logits and writes their gradient
+        backward_memory_factor=(2 * t * hidden * a + 2 * vocab * hidden * a) / (2 * t * vocab * a),
+        saved_bytes=gradients + t * INDEX_BYTES,
+        # while it runs: the two gradients, one chunk's logits and the per-token losses
+        forward_transient_bytes=gradients + chunk * vocab * a + t * FP32_BYTES,
+        backward_transient_bytes=0,
+        host_ops=HOST_OPS["linear"] + 4 * math.ceil(t / chunk),  # per chunk: mm, CE kernel, two mms
+        gradients_in_forward=True,
+    )
+
+
 @cache
 def llama_layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
     """Every op of one forward pass in execution order: embedding, blocks, final norm, head, loss."""
@@ -363,6 +404,9 @@ def llama_layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
     ops.append(_norm("model.norm", (specs["model.norm.weight"],), cfg.hidden, w, None))
     head = _linear(head_spec, w, None)
     tied = cfg.tie_embeddings
+    if w.loss is LossKernel.FUSED:
+        ops.append(fused_linear_cross_entropy(head, cfg, w, () if tied else head.params))
+        return tuple(ops)
     ops.append(
         LayerOp(
             name="lm_head",

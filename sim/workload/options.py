@@ -33,6 +33,15 @@ class CheckpointMode(StrEnum):
     SELECTIVE = "selective"
 
 
+class LossKernel(StrEnum):
+    """How the head computes the loss: HF's eager cross-entropy (full logits, their fp32 copy and
+    log-softmax), or a fused linear cross-entropy (Liger-Kernel's ``LigerFusedLinearCrossEntropy``:
+    logits a chunk at a time, the gradients computed in forward)."""
+
+    EAGER = "eager"
+    FUSED = "fused"
+
+
 class OptimizerName(StrEnum):
     ADAMW = "adamw"
     SGD = "sgd"
