@@ -18,7 +18,7 @@ from sim.hardware.cluster import default_cluster
 from sim.hardware.network import Network, job_network
 from sim.hardware.registry import builtin_devices, load_profile
 from sim.hardware.schema import HardwareProfile
-from sim.scenario.sections import Scenario
+from sim.scenario.sections import VECTOR_RANKS, Scenario
 from sim.schedule.ddp import build_ddp_program
 from sim.schedule.fsdp2 import build_fsdp2_program
 from sim.schedule.step import StepConfig
@@ -47,6 +47,11 @@ def _topology(scenario: Scenario) -> Topology:
         gpus_per_node=scenario.gpus_per_node,
         shard_size=scenario.shard_group_size,
     )
+
+
+def _vectorised(scenario: Scenario) -> bool:
+    engine = scenario.simulation.engine
+    return engine == "vector" or (engine == "auto" and scenario.parallel.world_size > VECTOR_RANKS)
 
 
 def _variability(scenario: Scenario, network: Network | None) -> Variability:
@@ -209,6 +214,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile | None = None) -> SimR
         group_cost=None
         if network is None or network.links_identical
         else _group_cost(scenario, profile, network, topology),
+        vectorised=_vectorised(scenario),
     )
     return SimResult(
         scenario=scenario, profile=profile, step=step, layer_ops=ops, program=program, events=table

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import simpy
 
+from sim.core import vector_engine
 from sim.core.events import EventTable, MemoryCategory, MemoryRecord, OpKind, OpRecord, Stream
 from sim.core.links import Flow, SharedLinks
 from sim.core.program import Program, ProgramOp
@@ -271,8 +272,21 @@ def run_program(
     interference: float = 1.0,
     group_links: GroupLinks | None = None,
     group_cost: GroupCost | None = None,
+    vectorised: bool = False,
 ) -> EventTable:
-    """Simulate one step and return its event table."""
+    """Simulate one step and return its event table. ``vectorised``: where ranks differ and every
+    collective is the world's, evaluate all ranks at once (``sim.core.vector_engine``)."""
+    if vectorised and not variability.ranks_identical and vector_engine.supports(program, topology):
+        k = topology.world_size
+        return vector_engine.run_vectorized(
+            program,
+            topology,
+            variability.compute_multipliers(k, len(program.ops)),
+            serial=serial,
+            interference=interference,
+            group_links=group_links or topology.links,
+            group_cost=group_cost,
+        )
     return Engine(
         program,
         topology,

@@ -4,8 +4,8 @@ Report, plotly timeline and Chrome trace are all computed from an ``EventTable``
 Times are seconds from the start of the step; sizes are bytes.
 """
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 from typing import Protocol, TypeVar
@@ -108,18 +108,31 @@ def group_by_rank(records: Iterable[R]) -> dict[int, list[R]]:
     return groups
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSummary:
+    """One rank's figures, as ``sim.outputs`` computes them from its records (seconds, bytes)."""
+
+    step_time_s: float
+    peak_memory_bytes: int
+    compute_s: float
+    exposed_comm_s: float
+    idle_s: float
+
+
 @dataclass(frozen=True)
 class EventTable:
     """Everything the engine recorded for one step, in the order it happened.
 
     When every rank is identical the engine simulates only rank 0 (``simulated_ranks == (0,)``)
     and ``rank_of`` maps every rank of the job to the simulated rank whose records stand for it.
+    The vectorised engine keeps the records of a few ranks only and ``rank_summaries`` of all.
     """
 
     world_size: int
     simulated_ranks: tuple[int, ...]
     ops: tuple[OpRecord, ...] = ()
     memory: tuple[MemoryRecord, ...] = ()
+    rank_summaries: Mapping[int, RankSummary] = field(default_factory=dict)
 
     @cached_property
     def _simulated(self) -> frozenset[int]:

@@ -289,7 +289,7 @@ def build_compute_costs(
         return costs
     if any(op.gradients_in_forward for op in ops):
         raise UserError(
-            f"{where}: its compute section measured HF's eager loss; training.loss = \"fused\" is timed by "
+            f'{where}: its compute section measured HF\'s eager loss; training.loss = "fused" is timed by '
             "the analytic model only (use a profile without a compute section)"
         )
     if model.description is not None:

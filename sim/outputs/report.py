@@ -215,6 +215,22 @@ def _rank_figures(table: EventTable, curves: dict[int, MemoryCurve], step_s: flo
     }
 
 
+def _per_rank(table: EventTable, figures: dict[int, RankFigures], k: int) -> tuple[RankFigures, ...]:
+    """Every job rank's figures: from the vectorised engine's summaries where it kept them (it
+    holds the records of a few ranks only), else from the simulated rank that stands for it."""
+    if table.rank_summaries:
+        return tuple(
+            RankFigures(
+                rank=r,
+                step_time_s=s.step_time_s,
+                peak_memory_bytes=s.peak_memory_bytes,
+                breakdown=Breakdown(compute_s=s.compute_s, exposed_comm_s=s.exposed_comm_s, idle_s=s.idle_s),
+            )
+            for r, s in sorted(table.rank_summaries.items())
+        )
+    return tuple(replace(figures[table.rank_of(rank)], rank=rank) for rank in range(k))
+
+
 def build_report(result: SimResult) -> StepReport:
     s, profile, step, table = result.scenario, result.profile, result.step, result.events
     k = s.parallel.world_size
@@ -251,6 +267,6 @@ def build_report(result: SimResult) -> StepReport:
         **device_memory(result, worst, curves[worst].peak_bytes()),
         collectives=collective_totals(table, 0),
         ranks_simulated=len(table.simulated_ranks),
-        per_rank=tuple(replace(figures[table.rank_of(rank)], rank=rank) for rank in range(k)),
+        per_rank=_per_rank(table, figures, k),
         padding=Padding(seq_len=t.seq_len, avg_seq_len=t.avg_seq_len) if t.avg_seq_len is not None else None,
     )

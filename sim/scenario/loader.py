@@ -20,7 +20,7 @@ from sim.errors import UserError
 from sim.hardware.cluster import ClusterSpec, load_cluster
 from sim.hardware.registry import load_profile
 from sim.scenario.hf_model import describe_config, library, library_entry
-from sim.scenario.sections import SECTIONS, ClusterSection, ModelSection, Scenario
+from sim.scenario.sections import ENGINES, SECTIONS, ClusterSection, ModelSection, Scenario
 from sim.workload.model import PRESETS, ModelConfig, preset
 from sim.workload.options import Strategy
 
@@ -178,6 +178,8 @@ def _check(s: Scenario, where: str) -> None:
         raise UserError(f"{where}: simulation.compute_jitter must be >= 0")
     positive("simulation.slow_rank_factor", sim.slow_rank_factor)
     positive("simulation.slow_nic_factor", sim.slow_nic_factor)
+    if sim.engine not in ENGINES:
+        raise UserError(f"{where}: simulation.engine = {sim.engine!r}; allowed: {', '.join(ENGINES)}")
     if sim.nic_jitter < 0 or sim.slow_nic < 0 or (sim.slow_nic_node is not None and sim.slow_nic_node < 0):
         raise UserError(f"{where}: simulation.nic_jitter, slow_nic and slow_nic_node must be >= 0")
     if sim.slow_rank is not None and not 0 <= sim.slow_rank < p.world_size:

@@ -97,7 +97,14 @@ class SimulationSection:
     slow_nic_node: int | None = None  # a degraded NIC: NIC ``slow_nic`` of this node ...
     slow_nic: int = 0
     slow_nic_factor: float = 1.0  # ... at this fraction of its rate
+    # "auto": the vectorised engine where ranks differ, every collective is the world's and there
+    # are more than VECTOR_RANKS ranks (it keeps the records of a few ranks, figures of all);
+    # "simpy": always the SimPy engine (every rank's records); "vector": the vectorised one where it applies
+    engine: str = "auto"
 
+
+ENGINES = ("auto", "simpy", "vector")
+VECTOR_RANKS = 256  # "auto" below this: every rank's full records are cheap enough
 
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
