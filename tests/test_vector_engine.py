@@ -7,14 +7,14 @@ import math
 
 import pytest
 
-from sim.core.engine import run_program
 from sim.core import vector_engine
+from sim.core.engine import run_program
 from sim.outputs.memory_curve import memory_curve
 from sim.outputs.report import build_report
 from sim.scenario.loader import scenario_from_dict
-from sim.simulate import SimResult, _group_cost, _variability, build_step, scenario_network, scenario_profile
 from sim.schedule.ddp import build_ddp_program
 from sim.schedule.fsdp2 import build_fsdp2_program
+from sim.simulate import SimResult, _group_cost, _variability, build_step, scenario_network, scenario_profile
 
 CPU = "profiles/cpu-2x-gloo.json"
 
