@@ -62,7 +62,13 @@ def _averaged(measured: dict[str, UnitMeasurement], extra: dict[str, Any], devic
         isolated=extra["isolated"],
     )
     flat.update(slowdown=extra["slowdown"], slowdown_raw=extra["slowdown_raw"])
-    return mean_over_ranks(flat, device)
+    avg = mean_over_ranks(flat, device)
+    # the floor at zero after the mean over ranks, not before: one rank's negative raw figure
+    # (noise on a loaded host) must not lift the mean of the floored ones above the floored mean
+    overhead = avg["fsdp_unit_overhead"]
+    for phase in ("forward", "backward"):
+        overhead[f"{phase}_s"] = max(0.0, overhead[f"{phase}_raw_s"])
+    return avg
 
 
 def _section(
