@@ -7,8 +7,10 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from sim.cli import cluster, comm, presets, profiles, run
+from sim.cli.parser import ArgumentParser
 from sim.errors import UserError
 
 # verbs whose modules own their flags: ``main(argv) -> exit code``, imported only when asked for
@@ -30,9 +32,13 @@ def _delegate(module: str, argv: list[str]) -> int:
     return int(cli.main(argv))
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdpsim", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="fsdpsim", description=__doc__)
+    # each verb module adds its parser (all of this class: a mistake is one line, exit 2)
+    sub = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", required=True),
+    )
     run.add_parser(sub)
     sub.add_parser("presets", help="list model presets and built-in hardware profiles")
     profiles.add_parser(sub)
@@ -49,7 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in DELEGATED:
         return _guard(lambda: _delegate(DELEGATED[argv[0]], argv[1:]))
-    args = _parser().parse_args(argv)
+    return _guard(lambda: _run_verb(argv))
+
+
+def _run_verb(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)  # a mistake in the flags is a UserError: one line, exit 2
     commands = {
         "run": run.main,
         "presets": presets.main,
@@ -57,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cluster": cluster.main,
         "comm": comm.main,
     }
-    return _guard(lambda: commands[args.command](args))
+    return int(commands[args.command](args))
 
 
 def _guard(action: Callable[[], int]) -> int:
