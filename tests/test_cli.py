@@ -247,3 +247,33 @@ def test_atomic_write_interrupted_leaves_the_old_file(
         write_text_atomic(target, "new")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (("run", TINY, "--bogus"), ("unrecognized arguments: --bogus",)),
+        (("comm", "broadcast", "--size", "1M"), ("invalid choice: 'broadcast'", "all_gather")),
+        (("comm", "all_gather", "--size", "1X"), ("not a size: '1X'",)),
+        (("comm", "all_gather", "--size", "1M", "--cluster", "nope"), ("comm --cluster", "dgx-h100")),
+        (("comm", "all_gather", "--size", "1M", "--gpus-per-node", "16"), ("--gpus-per-node 16", "8 GPUs")),
+        (("cluster", "show"), ("needs a cluster name",)),
+    ],
+    ids=["run-flag", "comm-collective", "comm-size", "comm-cluster", "comm-gpus", "cluster-name"],
+)
+def test_flag_mistakes_of_every_verb_exit_2_with_one_line(args: tuple, fragments: tuple[str, ...]) -> None:
+    assert_user_error(fsdpsim(*args), *fragments)
+
+
+def test_comm_prints_the_nccl_tests_figures_as_json() -> None:
+    proc = fsdpsim(
+        "comm", "all_reduce", "--size", "1G", "--nodes", "4", "--cluster", "dgx-a100", "--format", "json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert {"time_s", "algbw_Bps", "busbw_Bps", "algorithm", "protocol", "channels"} <= set(data)
+    assert data["algbw_Bps"] == pytest.approx((1 << 30) / data["time_s"])
+    assert data["busbw_Bps"] == pytest.approx(
+        data["algbw_Bps"] * 2 * 31 / 32
+    )  # nccl-tests' all-reduce factor
+    assert (data["n_ranks"], data["algorithm"], data["protocol"]) == (32, "ring", "Simple")
