@@ -41,7 +41,8 @@ class SimResult:
     events: EventTable
 
 
-def _topology(scenario: Scenario) -> Topology:
+def job_topology(scenario: Scenario) -> Topology:
+    """Ranks, nodes and process groups of the scenario's job."""
     return Topology(
         world_size=scenario.parallel.world_size,
         gpus_per_node=scenario.gpus_per_node,
@@ -116,7 +117,7 @@ def build_step(
         fsdp=parallel.strategy is not Strategy.NO_SHARD,
         lenders=builtin_devices(),
     )
-    topology = _topology(scenario)
+    topology = job_topology(scenario)
     network = network or scenario_network(scenario, profile)
 
     identical = _variability(scenario, network).ranks_identical

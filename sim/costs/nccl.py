@@ -439,13 +439,24 @@ def _time_us(
     return latency + size_bytes / (1e3 * bw), latency, bus
 
 
+def runtime_channels(fabric: GroupFabric) -> int:
+    """The channels (CTAs) a communicator runs, each with its own connections and buffers:
+    connect.cc ``ncclTopoPostset`` doubles the searched ring channels, and on sm90+ across nodes
+    doubles them again while the searched speed is above 45 GB/s and they are fewer than 16."""
+    graph = ring_graph(fabric)
+    channels = min(2 * MAX_RING_CHANNELS, 2 * graph.n_channels)
+    if _sm(fabric.arch) >= 90 and fabric.n_nodes > 1 and graph.bw_intra > 45.0 and channels < 16:
+        channels *= 2
+    return channels
+
+
 def _channels_used(algorithm: str, protocol: str, size_bytes: int, fabric: GroupFabric) -> int:
     """enqueue.cc topoGetAlgoInfo: NVLS uses its own channels; rings and trees drop channels while
     the size is under channels × threads × the per-thread threshold."""
     if algorithm in ("nvls", "nvls_tree"):
         graph = nvls_graph(fabric)
         return graph.n_channels if graph else 1
-    channels = ring_graph(fabric).n_channels
+    channels = runtime_channels(fabric)
     threads, threshold = MAX_THREADS[protocol], THREAD_THRESHOLD[protocol]
     if algorithm == "ring" and protocol == "LL":
         threshold *= fabric.n_ranks

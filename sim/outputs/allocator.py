@@ -28,7 +28,6 @@ import math
 from dataclasses import dataclass, field
 
 from sim.core.events import EventTable, MemoryCategory, MemoryRecord, Stream
-from sim.hardware.schema import NodeSpec
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -194,15 +193,8 @@ def peak_reserved_bytes(
     return allocator.peak_reserved
 
 
-def nccl_channels(node: NodeSpec) -> int:
-    """Channels NCCL runs a ring communicator with: its topology search finds 12 NVLink ring
-    channels on an 8-GPU NVSwitch node (A100/H100; nccl-model notes §2.4, from ``search.cc``),
-    one per NIC across nodes, 2 over PCIe; the runtime doubles them (``connect.cc``)."""
-    found = 12 if node.nvswitch else 2
-    return 2 * max(found, node.nics_per_node)
-
-
-def nccl_buffer_bytes(communicators: int, channels: int, ring_peers: int = 2) -> int:
-    """NCCL's buffers for ``communicators`` communicators of ``channels`` channels each: per
-    channel a connection to each ring neighbour, each with the three protocols' buffers."""
-    return communicators * channels * ring_peers * NCCL_BUFFERS_PER_CONNECTION
+def nccl_buffer_bytes(channels: int, ring_peers: int = 2) -> int:
+    """NCCL's buffers of communicators running ``channels`` channels in all (``sim.costs.nccl``'s
+    ``runtime_channels`` each): per channel a connection to each ring neighbour, each with the
+    three protocols' buffers."""
+    return channels * ring_peers * NCCL_BUFFERS_PER_CONNECTION

@@ -11,11 +11,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sim.core.events import EventTable, MemoryCategory, OpKind
-from sim.outputs.allocator import nccl_buffer_bytes, nccl_channels, peak_reserved_bytes
+from sim.costs.nccl import runtime_channels
+from sim.outputs.allocator import nccl_buffer_bytes, peak_reserved_bytes
 from sim.outputs.intervals import Breakdown, rank_breakdown, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curve
 from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, model_state
-from sim.simulate import SimResult
+from sim.simulate import SimResult, job_topology, scenario_network
 from sim.workload.flops import model_flops_per_token, recompute_flops_per_token
 from sim.workload.model import n_params
 
@@ -182,6 +183,19 @@ def flops_utilisation(result: SimResult, step_s: float) -> tuple[float, float]:
     return model_flops / (step_s * peak), hardware_flops / (step_s * peak)
 
 
+def communicator_channels(result: SimResult, rank: int) -> int:
+    """The channels of every communicator ``rank`` belongs to (one per process group of the step),
+    as NCCL runs them on that group's fabric (``sim.costs.nccl.runtime_channels``)."""
+    s = result.scenario
+    topology = job_topology(s)
+    network = scenario_network(s, result.profile)
+    kinds = {op.group for op in result.program.ops if op.group is not None}
+    members = [topology.members(kind, rank) for kind in kinds]
+    if network is None:
+        return 0
+    return sum(runtime_channels(network.fabric(m)) for m in members if len(m) > 1)
+
+
 def device_memory(result: SimResult, rank: int, peak_allocated_bytes: int) -> dict[str, int]:
     """``peak_reserved_bytes`` and ``device_overhead_bytes`` of ``rank``: on a CUDA device the
     caching allocator's replay (with the cuBLAS workspace) and the context and NCCL buffers; on a
@@ -197,8 +211,7 @@ def device_memory(result: SimResult, rank: int, peak_allocated_bytes: int) -> di
         expandable=result.scenario.cluster.expandable_segments,
         workspace_bytes=device.cublas_workspace_bytes,
     )
-    communicators = len({op.group for op in result.program.ops if op.group is not None})
-    nccl = nccl_buffer_bytes(communicators, nccl_channels(profile.node))
+    nccl = nccl_buffer_bytes(communicator_channels(result, rank))
     return {"peak_reserved_bytes": reserved, "device_overhead_bytes": device.context_bytes + nccl}
 
 
