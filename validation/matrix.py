@@ -299,7 +299,7 @@ def _document(
 ) -> str:
     title = "# Validation: fsdp-sim against real FSDP2 runs"
     if systems is not None:
-        title = f"## Validation of {', '.join(sorted(systems))} against the real systems"
+        title = f"## {', '.join(sorted(systems))} against the real systems (`make validate SYSTEMS=...`)"
     h = "##" if systems is None else "###"
     text = [
         title,
@@ -320,8 +320,9 @@ def _document(
         text += [
             f"{h} Memory at scale (`fsdpsim validate --memory-only`)",
             "",
-            "One rank of the real FSDP2 step at the preset's world size (fake process group, FakeTensorMode, "
-            f"FSDPMemTracker), base `{MEMORY_BASE}` (micro-batch 2 x 4096; 70B: micro-batch 1), against the "
+            "One rank of the real FSDP2 (FSDP1) step at the preset's world size (fake process group, "
+            "FakeTensorMode, FSDPMemTracker; FSDP1: the storage-level tracker validation.step_memory), "
+            f"base `{MEMORY_BASE}` (micro-batch 2 x 4096; 70B: micro-batch 1), against the "
             "simulator with the attention kernel that ran. Categories are at each side's own peak.",
             "",
             *_memory_summary(memory),
