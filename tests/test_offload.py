@@ -134,3 +134,33 @@ def test_calibrate_host_writes_the_node_section(tmp_path: Path, monkeypatch: pyt
     )
     assert node["pcie_gen"] == 5  # the base profile's fields are kept
     profile_from_dict(json.loads(out.read_text()), str(out))
+
+
+def test_offload_and_zero_buckets_get_their_own_lanes(tmp_path: Path) -> None:
+    """The timeline and the trace show the PCIe copies on h2d/d2h lanes and the host optimizer
+    on the host lane, beside FSDP1's all-gathers and reduce-scatters."""
+    from sim.outputs.chrome_trace import write_chrome_trace
+    from sim.outputs.timeline import layout_lanes, shown_ranks
+
+    s = make_scenario(parallel={"fsdp_version": 1}, fsdp1={"cpu_offload": True})
+    r = simulate(s, _profile())
+    ops = r.events.ops_by_rank
+    lanes = layout_lanes(shown_ranks(r.events, ops, None), ops)
+    streams = {stream for _, stream in lanes.y}
+    assert {Stream.H2D, Stream.D2H, Stream.HOST, Stream.ALL_GATHER, Stream.REDUCE_SCATTER} <= streams
+    path = tmp_path / "trace.json"
+    write_chrome_trace(r.events, path)
+    threads = {
+        e["args"]["name"]
+        for e in json.loads(path.read_text())["traceEvents"]
+        if e.get("name") == "thread_name"
+    }
+    assert {"stream 32 h2d", "stream 36 d2h"} <= threads
+
+
+def test_tune_refuses_fsdp1_and_deepspeed(tmp_path: Path) -> None:
+    from sim.study.tune.tuner import tune
+
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(UserError, match="searches FSDP2's space"):
+        tune(str(root / "scenarios/seed-t5-fsdp1.toml"))
