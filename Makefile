@@ -31,8 +31,9 @@ test: lint
 bench: install
 	$(BIN)/python -m bench
 
+# SYSTEMS=fsdp1,deepspeed: only those rows, written between markers in VALIDATION.md
 validate: install
-	$(BIN)/fsdpsim validate --matrix --out VALIDATION.md
+	$(BIN)/fsdpsim validate --matrix --out VALIDATION.md $(if $(SYSTEMS),--systems $(SYSTEMS))
 
 validate-published: install
 	$(BIN)/fsdpsim validate --published --out VALIDATION.md

@@ -47,6 +47,8 @@ README = ROOT / "README.md"
 WIDTH = 100  # the README's line width
 
 SEED_7B = "scenarios/seed-7b-model-state.toml"
+DS_ZERO2 = ("deepspeed.enabled=true", "deepspeed.stage=2")
+DS_ZERO3 = ("deepspeed.enabled=true", "deepspeed.stage=3")
 SEED_CKPT = "scenarios/seed-llama-7b-4gpu-zero3-ckpt.toml"
 NODE_7B = "scenarios/llama2-7b-8xh100-zero3.toml"
 SFT, GRPO = "scenarios/sft-vs-grpo-7b.toml", "scenarios/grpo-7b.toml"
@@ -167,13 +169,14 @@ def intro() -> str:
 
 def seed_model_state() -> str:
     rows = (
-        ("DDP (NO_SHARD)", "112 GB", ("parallel.strategy=NO_SHARD",)),
-        ("ZeRO-2 (SHARD_GRAD_OP)", "38.5 GB", ("parallel.strategy=SHARD_GRAD_OP",)),
-        ("ZeRO-3 (FULL_SHARD)", "28 GB", ()),
+        ("DDP (NO_SHARD)", "112 GB", ("parallel.strategy=NO_SHARD",), ("parallel.strategy=NO_SHARD",)),
+        ("ZeRO-2 (SHARD_GRAD_OP)", "38.5 GB", ("parallel.strategy=SHARD_GRAD_OP",), DS_ZERO2),
+        ("ZeRO-3 (FULL_SHARD)", "28 GB", (), DS_ZERO3),
     )
     zero2, zero3 = report(SEED_7B, *rows[1][2]), report(SEED_7B, *rows[2][2])
+    ds2, ds3 = report(SEED_7B, *DS_ZERO2), report(SEED_7B, *DS_ZERO3)
     s = scenario(SEED_7B)
-    k = s.parallel.world_size
+    k, phi = s.parallel.world_size, zero3.n_params
     text = (
         "FSDP2 keeps fp32 master parameters and fp32 sharded gradients, so its persistent state is "
         "16 B/param divided by the shard group for both ZeRO-2 and ZeRO-3"
@@ -181,27 +184,35 @@ def seed_model_state() -> str:
     claim(zero2.model_state.total == zero3.model_state.total, text)
     claim(abs(zero3.model_state.total / (16 * zero3.n_params / k) - 1) < 0.01, text)
     claim(zero2.peak_memory_bytes > zero3.peak_memory_bytes, "what ZeRO-2 adds ... show up in the peak")
+    at_7b = [round(r.model_state.total * 7e9 / phi / 1e9, 1) for r in (ds2, ds3)]
+    claim(at_7b == [38.5, 28.0], "the ZeRO-2 and ZeRO-3 schedules give the seeds' 38.5 and 28 GB at 7e9")
     head = para(
         f"""**The seed documents' 7B model-state table** (`{SEED_7B}`, {k} GPUs,
-        `--set parallel.strategy=...`). The seeds count 7e9 × (2 + 2 + 12) B. {text}; what ZeRO-2
-        adds is the unsharded bf16 parameters kept from forward to the end of backward, which show
-        up in the peak, not in the model state."""
+        `--set parallel.strategy=...`; DeepSpeed: `--set deepspeed.enabled=true --set
+        deepspeed.stage=2|3`). The seeds count 7e9 × (2 + 2 + 12) B. The DeepSpeed ZeRO-2 and
+        ZeRO-3 schedules allocate exactly that (bf16 parameters whole or partitioned, bf16 gradient
+        partitions, fp32 master and AdamW states partitioned): {gib(ds2.model_state.total)} and
+        {gib(ds3.model_state.total)} at Φ = {phi / 1e9:.2f}e9, which is {at_7b[0]} GB and
+        {at_7b[1]} GB at 7e9. {text}; what ZeRO-2 adds is the unsharded bf16 parameters kept from
+        forward to the end of backward, which show up in the peak, not in the model state."""
     )
     header = (
         "strategy",
         "seed (Φ = 7e9, the seeds' GB)",
-        f"ZeRO convention, Φ = {zero3.n_params / 1e9:.2f}e9",
+        f"ZeRO convention, Φ = {phi / 1e9:.2f}e9",
+        "DeepSpeed schedule's model state",
         "FSDP2 model state",
         f"FSDP2 peak (mb {s.training.micro_batch}, seq {s.training.seq_len})",
     )
     body = []
-    for label, seed, sets in rows:
-        r = report(SEED_7B, *sets)
+    for label, seed, sets, ds_sets in rows:
+        r, ds = report(SEED_7B, *sets), report(SEED_7B, *ds_sets)
         body.append(
             (
                 label,
                 seed,
                 gib(r.model_state_bytes_deepspeed_convention),
+                gib(ds.model_state.total) + ("" if ds.system.startswith("DeepSpeed") else " (DDP)"),
                 gib(r.model_state.total),
                 gib(r.peak_memory_bytes),
             )

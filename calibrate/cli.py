@@ -1,4 +1,4 @@
-"""Command line of ``calibrate``: ``comm`` and ``compute``; ``main(argv) -> exit code``.
+"""Command line of ``calibrate``: ``comm``, ``compute`` and ``host``; ``main(argv) -> exit code``.
 
 Exit codes: 0 success; 1 a calibration failed (a rank died, a collective failed or timed out);
 2 a user mistake (bad flag, file or profile), reported as one line without a traceback.
@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True)
     _add_comm(sub)
     _add_compute(sub)
+    from calibrate.cli_host import add_parser as add_host
+
+    add_host(sub)
     return parser
 
 
@@ -192,6 +195,10 @@ def main(argv: list[str]) -> int:
             from calibrate.cli_comm import run_comm_command
 
             run_comm_command(args, command_line(argv))
+        elif args.verb == "host":
+            from calibrate.cli_host import run_host_command
+
+            run_host_command(args, command_line(argv))
         else:
             from calibrate.cli_compute import run_compute_command
 

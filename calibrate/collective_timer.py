@@ -19,7 +19,14 @@ TIMED = {
     "reduce_scatter_single": ("reduce_scatter", 1, "input"),
     "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
     "all_reduce": ("all_reduce", 0, "tensor"),
+    "all_gather": ("all_gather", 0, "tensor_list"),  # FSDP1 on a CPU gathers into a list of chunks
 }
+
+
+def _nbytes(tensor: Any) -> int:
+    if isinstance(tensor, list | tuple):
+        return sum(_nbytes(t) for t in tensor)
+    return int(tensor.numel() * tensor.element_size())
 
 
 @contextmanager
@@ -36,7 +43,7 @@ def timed_collectives(records: list[tuple[str, float, float, int]]) -> Iterator[
             start = time.perf_counter()
             result = originals[name](*args, **kwargs)
             tensor = args[index] if len(args) > index else kwargs[keyword]
-            records.append((collective, start, time.perf_counter(), tensor.numel() * tensor.element_size()))
+            records.append((collective, start, time.perf_counter(), _nbytes(tensor)))
             return result
 
         return timed

@@ -37,6 +37,7 @@ def compute_section(
     fsdp_unit_overhead_s: Mapping[str, float],
     host_overhead_in_step: bool,
     slowdown: float,
+    fsdp1_unit_overhead_s: Mapping[str, float] | None = None,
 ) -> ComputeSection:
     return ComputeSection(
         dims=MeasuredDims(**target.model_dict()),
@@ -51,4 +52,6 @@ def compute_section(
         fsdp_backward_overhead_s=fsdp_unit_overhead_s["backward"],
         host_overhead_in_step=host_overhead_in_step,
         compute_slowdown_during_collective=slowdown,
+        fsdp1_forward_overhead_s=fsdp1_unit_overhead_s["forward"] if fsdp1_unit_overhead_s else None,
+        fsdp1_backward_overhead_s=fsdp1_unit_overhead_s["backward"] if fsdp1_unit_overhead_s else None,
     )

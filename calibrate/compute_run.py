@@ -39,8 +39,10 @@ def _measure(
             target, device, max(reps, 10)
         ),
     }
+    copy_Bps = extra["copy"]["copy_Bps"]
     extra |= {
-        "fsdp_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, extra["copy"]["copy_Bps"]),
+        "fsdp_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, copy_Bps),
+        "fsdp1_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, copy_Bps, version=1),
         "isolated": {f"{u}.{f}": getattr(isolated[u], f) for u in UNITS for f in TIME_FIELDS},
     }
     extra["slowdown"], extra["slowdown_raw"] = overheads.slowdown_during_collective(
@@ -59,6 +61,7 @@ def _averaged(measured: dict[str, UnitMeasurement], extra: dict[str, Any], devic
     flat.update(
         fsdp_optimizer=extra["fsdp_optimizer_s_per_param"],
         fsdp_unit_overhead=extra["fsdp_unit_overhead"],
+        fsdp1_unit_overhead=extra["fsdp1_unit_overhead"],
         isolated=extra["isolated"],
     )
     flat.update(slowdown=extra["slowdown"], slowdown_raw=extra["slowdown_raw"])
@@ -90,6 +93,7 @@ def _section(
         optimizer_s_per_param=avg["optimizer"],
         fsdp_optimizer_s_per_param=avg["fsdp_optimizer"],
         fsdp_unit_overhead_s={k: avg["fsdp_unit_overhead"][f"{k}_s"] for k in ("forward", "backward")},
+        fsdp1_unit_overhead_s={k: avg["fsdp1_unit_overhead"][f"{k}_s"] for k in ("forward", "backward")},
         host_overhead_in_step=device.type == "cpu",
         slowdown=max(1.0, avg["slowdown"]),
     )

@@ -1,4 +1,5 @@
-"""What FSDP2 itself costs on the host, measured with the real ``fully_shard``.
+"""What FSDP2 itself costs on the host, measured with the real ``fully_shard`` (and FSDP1's,
+with the real ``FullyShardedDataParallel``, the same way).
 
 - Per-unit overhead: FSDP2's hooks, DTensor bookkeeping, buffer allocation (fresh pages on a
   CPU) and stream/event handling around every unit in forward and backward. It depends on the
@@ -100,21 +101,61 @@ def _copy_bytes(model: ModelConfig, world: int, param_bytes: int) -> tuple[int, 
     return all_gather, all_gather + padded * max(param_bytes, 4)  # + reduce-scatter copy-in
 
 
-def unit_overhead(
-    target: ComputeTarget, device: torch.device, reps: int, copy_Bps: float
-) -> dict[str, float]:
-    """Seconds FSDP2 adds per unit in forward and in backward beyond the modelled copies (>= 0),
-    and the raw figures before that floor."""
+def _fsdp1_copy_bytes(model: ModelConfig, world: int, param_bytes: int) -> tuple[int, int]:
+    """Bytes of the copies ``sim.schedule.fsdp1`` charges one layer in forward (the cast into the
+    low-precision shard) and in backward (the flat gradient's concatenation, the cast to the fp32
+    reduce dtype), at the calibration's settings (reduce in fp32, ``use_orig_params=False``)."""
+    flat = sum(p.numel for p in layer_params(model, 0))
+    padded = math.ceil(flat / world) * world
+    forward = padded // world * max(param_bytes, 4) if param_bytes != 4 else 0
+    backward = flat * param_bytes + (flat * 4 if param_bytes != 4 else 0)
+    backward += padded * 4 if padded > flat else 0
+    return forward, backward
+
+
+def _fsdp2_chain(target: ComputeTarget, device: torch.device) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    compute = TORCH_DTYPES[target.param_dtype]
-    plain = _Chain(target.model, device, compute)
     wrapped = _Chain(target.model, device, torch.float32)  # FSDP2 keeps fp32 shards and casts for compute
     mesh = world_mesh(device)
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[target.param_dtype], reduce_dtype=torch.float32)
     for layer in wrapped.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(wrapped, mesh=mesh, mp_policy=policy)
+    return wrapped
+
+
+def _fsdp1_chain(target: ComputeTarget, device: torch.device) -> torch.nn.Module:
+    from functools import partial
+
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    chain = _Chain(target.model, device, torch.float32)
+    compute = TORCH_DTYPES[target.param_dtype]
+    layers = {id(layer) for layer in chain.layers}
+    # cast_forward_inputs: the chain hands each layer fp32 rotary tables, as FSDP2's policy casts them
+    mp = (
+        MixedPrecision(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=True)
+        if compute != torch.float32
+        else None
+    )
+    return FullyShardedDataParallel(
+        chain,
+        auto_wrap_policy=partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in layers),
+        mixed_precision=mp,
+        device_id=device,
+    )
+
+
+def unit_overhead(
+    target: ComputeTarget, device: torch.device, reps: int, copy_Bps: float, version: int = 2
+) -> dict[str, float]:
+    """Seconds FSDP2 (``version`` 1: FSDP1) adds per unit in forward and in backward beyond the
+    modelled copies (>= 0), and the raw figures before that floor."""
+    compute = TORCH_DTYPES[target.param_dtype]
+    plain = _Chain(target.model, device, compute)
+    wrapped = _fsdp2_chain(target, device) if version == 2 else _fsdp1_chain(target, device)
     samples: dict[str, list[tuple[float, float]]] = {"plain": [], "fsdp": []}
     rounds = max(reps, 10)
     for rep in range(rounds + 2):  # two warm-up rounds: FSDP2's lazy init runs in the first
@@ -122,7 +163,9 @@ def unit_overhead(
             times = _step(chain, target.model.hidden, device, compute)
             if rep >= 2:
                 samples[name].append(times)
-    copies = _copy_bytes(target.model, mesh.size(), compute.itemsize)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    copy_bytes = _copy_bytes if version == 2 else _fsdp1_copy_bytes
+    copies = copy_bytes(target.model, world, compute.itemsize)
     out: dict[str, float] = {}
     for index, phase in enumerate(("forward", "backward")):
         extra = statistics.fmean(t[index] for t in samples["fsdp"]) - statistics.fmean(

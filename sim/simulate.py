@@ -13,6 +13,7 @@ from sim.core.program import Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
 from sim.costs.collectives import CollectiveCost, collective_cost
 from sim.costs.compute import build_compute_costs
+from sim.costs.offload import HostCosts
 from sim.dtypes import dtype_bytes
 from sim.hardware.cluster import default_cluster
 from sim.hardware.network import Network, job_network
@@ -20,12 +21,15 @@ from sim.hardware.registry import builtin_devices, load_profile
 from sim.hardware.schema import HardwareProfile
 from sim.scenario.sections import VECTOR_RANKS, Scenario
 from sim.schedule.ddp import build_ddp_program
+from sim.schedule.fsdp1 import build_fsdp1_program
 from sim.schedule.fsdp2 import build_fsdp2_program
 from sim.schedule.step import StepConfig
+from sim.schedule.zero import build_zero12_program
+from sim.schedule.zero3 import build_zero3_program
 from sim.workload.checkpointing import checkpoint_plan
 from sim.workload.forward import layer_ops
 from sim.workload.layers import LayerOp, Workload, model_buffer_bytes
-from sim.workload.options import Strategy
+from sim.workload.options import Strategy, WrapPolicy
 from sim.workload.units import build_segments, build_units
 
 MASTER_DTYPE = "fp32"  # FSDP2 keeps sharded parameters, gradients and optimizer states in fp32
@@ -103,7 +107,8 @@ def build_step(
         loss=training.loss,
     )
     ops = layer_ops(model, workload)
-    units = build_units(model, parallel.wrap)
+    # DeepSpeed ZeRO hooks every module that owns parameters: one unit per linear and embedding
+    units = build_units(model, WrapPolicy.LINEAR if scenario.deepspeed.enabled else parallel.wrap)
     segments = tuple(build_segments(ops, units))
     costs = build_compute_costs(
         profile,
@@ -114,7 +119,10 @@ def build_step(
         param_dtype=scenario.param_dtype,
         optimizer=scenario.optimizer.name,
         allow_scaling=scenario.cluster.compute_scaling,
-        fsdp=parallel.strategy is not Strategy.NO_SHARD,
+        fsdp=parallel.strategy is not Strategy.NO_SHARD
+        and parallel.fsdp_version == 2
+        and not scenario.deepspeed.enabled,
+        fsdp_version=parallel.fsdp_version,
         lenders=builtin_devices(),
     )
     topology = job_topology(scenario)
@@ -154,11 +162,22 @@ def build_step(
         reduce_dtype=scenario.reduce_dtype,
         reduce_bytes=dtype_bytes(scenario.reduce_dtype),
         block_input_bytes=workload.tokens * model.hidden * workload.act_bytes,
-        buffer_bytes=model_buffer_bytes(model),
+        buffer_bytes=model_buffer_bytes(model)
+        * dtype_bytes(_buffer_dtype(scenario))
+        // dtype_bytes(MASTER_DTYPE),
         collective_temp_buffers=profile.backend.collective_temp_buffers,
         ddp_bucket_bytes=int(parallel.ddp_bucket_mb * (1 << 20)),
         costs=costs,
         collective=collective,
+        world_size=parallel.world_size,
+        fsdp1=scenario.fsdp1_options,
+        zero=scenario.zero_options,
+        grad_scaler=scenario.precision.grad_scaler,
+        host=HostCosts(
+            node=profile.node,
+            ranks_per_node=min(scenario.gpus_per_node, parallel.world_size),
+            profile=profile.name,
+        ),
     )
     return step, topology, ops
 
@@ -185,6 +204,22 @@ def _group_cost(
     return per_rank
 
 
+def _buffer_dtype(scenario: Scenario) -> str:
+    """FSDP1 casts module buffers to ``MixedPrecision.buffer_dtype``; FSDP2 and DDP keep them."""
+    if scenario.parallel.fsdp_version == 1 and scenario.precision.buffer_dtype is not None:
+        return scenario.precision.buffer_dtype
+    return MASTER_DTYPE
+
+
+def build_program(step: StepConfig) -> Program:
+    """The schedule of the step's system: FSDP1, FSDP2, or DDP (FSDP2's NO_SHARD)."""
+    if step.zero is not None:
+        return build_zero3_program(step) if step.zero.stage == 3 else build_zero12_program(step)
+    if step.fsdp1 is not None:
+        return build_fsdp1_program(step)
+    return build_ddp_program(step) if step.ddp else build_fsdp2_program(step)
+
+
 def scenario_profile(scenario: Scenario, profile: HardwareProfile | None = None) -> HardwareProfile:
     """``profile`` (default: the scenario's ``cluster.profile``) with the scenario's own device
     memory when ``cluster.device_memory_gib`` is set."""
@@ -202,7 +237,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile | None = None) -> SimR
     profile = scenario_profile(scenario, profile)
     network = scenario_network(scenario, profile)
     step, topology, ops = build_step(scenario, profile, network)
-    program = build_fsdp2_program(step) if step.sharded else build_ddp_program(step)
+    program = build_program(step)
     table = run_program(
         program,
         topology,

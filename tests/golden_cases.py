@@ -58,6 +58,70 @@ VARIANTS: list[tuple[str, str, list[str]]] = [
     ("tiny-cpu-ddp", "tiny.toml", [CPU, "parallel.strategy=NO_SHARD"]),
     ("tiny-cpu-ckpt", "tiny.toml", [CPU, "checkpointing.mode=full"]),
     ("tiny-cpu-hsdp", "tiny.toml", [CPU, "parallel.strategy=HYBRID_SHARD", "parallel.shard_group_size=1"]),
+    # FSDP1 and DeepSpeed ZeRO (issue 13)
+    ("tiny-fsdp1", "tiny.toml", ["parallel.fsdp_version=1"]),
+    (
+        "tiny-fsdp1-zero2-bf16-orig",
+        "tiny.toml",
+        [
+            "parallel.fsdp_version=1",
+            "parallel.strategy=SHARD_GRAD_OP",
+            "precision.param_dtype=bf16",
+            "precision.reduce_dtype=fp32",
+            "fsdp1.use_orig_params=true",
+            "fsdp1.backward_prefetch=BACKWARD_POST",
+            "parallel.world_size=3",
+        ],
+    ),
+    (
+        "tiny-fsdp1-hsdp",
+        "tiny.toml",
+        [
+            "parallel.fsdp_version=1",
+            "parallel.strategy=HYBRID_SHARD",
+            "parallel.world_size=8",
+            "parallel.shard_group_size=4",
+        ],
+    ),
+    (
+        "tiny-fsdp1-noshard-accum",
+        "tiny.toml",
+        ["parallel.fsdp_version=1", "parallel.strategy=NO_SHARD", "training.grad_accum=2"],
+    ),
+    (
+        "tiny-zero1",
+        "tiny.toml",
+        [
+            "deepspeed.enabled=true",
+            "deepspeed.stage=1",
+            "precision.param_dtype=bf16",
+            "deepspeed.reduce_bucket_size=20000",
+        ],
+    ),
+    (
+        "tiny-zero2-overlap",
+        "tiny.toml",
+        [
+            "deepspeed.enabled=true",
+            "deepspeed.stage=2",
+            "precision.param_dtype=bf16",
+            "deepspeed.reduce_bucket_size=20000",
+            "deepspeed.overlap_comm=true",
+        ],
+    ),
+    (
+        "tiny-zero3-ckpt",
+        "tiny.toml",
+        [
+            "deepspeed.enabled=true",
+            "deepspeed.stage=3",
+            "precision.param_dtype=bf16",
+            "deepspeed.stage3_param_persistence_threshold=100",
+            "deepspeed.stage3_prefetch_bucket_size=5000",
+            "deepspeed.reduce_bucket_size=50000",
+            "checkpointing.mode=full",
+        ],
+    ),
     (
         "7b-a100-multinode",
         "llama2-7b-8xh100-zero3.toml",

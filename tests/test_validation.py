@@ -201,3 +201,54 @@ def test_medians_pair_rows_by_metric_and_leave_out_a_row_some_round_lacks() -> N
     combined = median_comparison([a, b])
     assert [r.metric for r in combined.rows] == ["step time", "peak memory"]
     assert (combined.rows[1].predicted, combined.rows[1].measured) == (6.0, 6.0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),  # FULL_SHARD, BACKWARD_PRE, limit_all_gathers, fp32
+        (
+            "parallel.strategy=SHARD_GRAD_OP",
+            "precision.param_dtype=bf16",
+            "precision.reduce_dtype=fp32",
+            "fsdp1.use_orig_params=true",
+            "fsdp1.backward_prefetch=BACKWARD_POST",
+            "training.grad_accum=2",
+        ),
+        # FSDP1 clamps a one-rank shard group to NO_SHARD: all-reduces within one rank only
+        ("parallel.strategy=HYBRID_SHARD", "parallel.shard_group_size=1"),
+    ],
+    ids=["full_shard-fp32", "shard_grad_op-bf16-orig_params-post-accum", "hsdp-2x1-clamped"],
+)
+def test_real_fsdp1_run_matches_the_simulation(cpu_profile: Path, overrides: tuple[str, ...]) -> None:
+    """FullyShardedDataParallel on 2 gloo ranks: flat-parameter collectives exact, and the peak
+    (storage-level tracker, ``validation.step_memory``) within 1 %."""
+    result = _validate(cpu_profile, "parallel.fsdp_version=1", *overrides)
+    assert result["collectives_match"], result["collectives"]
+    peak = _row(result, "peak memory")
+    assert abs(peak["error"]) <= 0.01, peak
+    assert _row(result, "step time")["predicted"] > 0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("deepspeed.stage=2", "deepspeed.reduce_bucket_size=20000", "deepspeed.overlap_comm=true"),
+        (
+            "deepspeed.stage=3",
+            "deepspeed.stage3_param_persistence_threshold=100",
+            "deepspeed.stage3_max_reuse_distance=0",
+            "deepspeed.stage3_prefetch_bucket_size=5000",
+            "deepspeed.reduce_bucket_size=50000",
+            "checkpointing.mode=full",
+        ),
+    ],
+    ids=["zero2-buckets-overlap", "zero3-fetch-prefetch-release-ckpt"],
+)
+def test_real_deepspeed_run_matches_the_simulation(cpu_profile: Path, overrides: tuple[str, ...]) -> None:
+    """DeepSpeed 0.19.8 ZeRO on 2 gloo ranks (its CPU accelerator): collectives exact, the peak
+    (every tensor alive at the step's start, then storage by storage) within 1 %."""
+    result = _validate(cpu_profile, "deepspeed.enabled=true", "precision.param_dtype=bf16", *overrides)
+    assert result["collectives_match"], result["collectives"]
+    peak = _row(result, "peak memory")
+    assert abs(peak["error"]) <= 0.01, peak

@@ -18,6 +18,7 @@ from sim.workload.checkpointing import CheckpointPlan, checkpoint_plan
 from sim.workload.model import ModelConfig
 from sim.workload.options import Strategy, WrapPolicy
 from sim.workload.units import unit_prefixes
+from validation.sac_policy import op_sac_context, sac_save_list  # noqa: F401 (re-exported)
 
 
 def build_llama(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
@@ -54,40 +55,7 @@ class Wrapped:
     model: nn.Module
     units: list[Any]  # non-root FSDP units in forward order (empty for DDP)
     is_fsdp: bool
-
-
-def sac_save_list() -> set[Any]:
-    """torchtitan's op-level SAC save list (``_save_list``, llama3 ``parallelize.py``), with the CPU
-    flash-attention op beside the CUDA ones so the same policy runs here."""
-    ops = torch.ops.aten
-    return {
-        ops.mm.default,
-        ops._scaled_dot_product_efficient_attention.default,
-        ops._scaled_dot_product_flash_attention.default,
-        ops._scaled_dot_product_flash_attention_for_cpu.default,
-        torch.ops._c10d_functional.reduce_scatter_tensor.default,
-        ops.max.default,
-    }
-
-
-def _op_sac_context() -> Any:
-    """A fresh selective-checkpoint context per region: save every listed op's output but every
-    second mm's (counted separately in forward and recompute), recompute the rest."""
-    from collections import defaultdict
-
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    save = sac_save_list()
-    meta: defaultdict[str, int] = defaultdict(int)
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
-        if func == torch.ops.aten.mm.default:
-            meta[key] += 1
-        keep = func in save and not (func == torch.ops.aten.mm.default and meta[key] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+    fsdp_version: int = 2  # 1: FullyShardedDataParallel (is_fsdp is true for both)
 
 
 def apply_checkpointing(model: nn.Module, plan: CheckpointPlan, scenario: Scenario) -> None:
@@ -99,7 +67,7 @@ def apply_checkpointing(model: nn.Module, plan: CheckpointPlan, scenario: Scenar
         if not plan.covers(i):
             continue
         if plan.selective_op:
-            wrapped = checkpoint_wrapper(layer, preserve_rng_state=False, context_fn=_op_sac_context)
+            wrapped = checkpoint_wrapper(layer, preserve_rng_state=False, context_fn=op_sac_context)
         else:
             wrapped = checkpoint_wrapper(layer, preserve_rng_state=False)
         setattr(parent, attr, wrapped)
@@ -108,6 +76,10 @@ def apply_checkpointing(model: nn.Module, plan: CheckpointPlan, scenario: Scenar
 def wrap(model: nn.Module, scenario: Scenario, mesh: Any) -> Wrapped:
     c = scenario.checkpointing
     plan = checkpoint_plan(c.mode, c.selective, scenario.model.n_layers)
+    if scenario.parallel.fsdp_version == 1:
+        from validation.build_fsdp1 import wrap_fsdp1
+
+        return Wrapped(wrap_fsdp1(model, scenario, mesh, plan), [], is_fsdp=True, fsdp_version=1)
     if plan.active:
         apply_checkpointing(model, plan, scenario)
     if scenario.parallel.strategy is Strategy.NO_SHARD:
@@ -139,3 +111,10 @@ def _set_prefetch(units: list[Any], scenario: Scenario) -> None:
             unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + fwd])
         if bwd != 1:  # 1 is FSDP2's implicit default; anything else is an explicit list
             unit.set_modules_to_backward_prefetch(units[max(0, i - bwd) : i][::-1])
+
+
+def batch(scenario: Scenario, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    t = scenario.training
+    ids = torch.randint(0, scenario.model.vocab, (t.micro_batch, t.seq_len), generator=g)
+    return ids, ids.clone()

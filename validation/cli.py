@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--matrix", action="store_true", help="run the validation matrix and write --out (VALIDATION.md)"
     )
     p.add_argument(
+        "--systems",
+        help="with --matrix: only the rows of these systems (comma-separated: fsdp2, fsdp1, deepspeed), "
+        "written between markers in --out, the rest of the file kept",
+    )
+    p.add_argument(
         "--published",
         action="store_true",
         help="predict the published GPU runs of the development set and write their section of --out",
@@ -55,10 +60,7 @@ def main(argv: list[str]) -> int:
         print(write_published(args.out or "VALIDATION.md"))
         return 0
     if args.matrix:
-        from validation.matrix import run_matrix
-
-        run_matrix(out=args.out or "VALIDATION.md", steps=args.steps, warmup=args.warmup, nproc=args.nproc)
-        return 0
+        return _matrix(args)
     if args.scenario is None:
         raise UserError("validate needs a scenario file (or --matrix)")
     if args.memory_only:
@@ -86,6 +88,26 @@ def main(argv: list[str]) -> int:
     if args.out:
         write_text_atomic(args.out, text + "\n")
     return 0 if comparison.collectives_match else 1
+
+
+def _matrix(args: argparse.Namespace) -> int:
+    from validation.matrix import run_matrix
+
+    out, systems = args.out or "VALIDATION.md", _systems(args.systems)
+    run_matrix(out=out, steps=args.steps, warmup=args.warmup, nproc=args.nproc, systems=systems)
+    return 0
+
+
+def _systems(text: str | None) -> set[str] | None:
+    from validation.matrix import SYSTEMS
+
+    if text is None:
+        return None
+    chosen = {s.strip() for s in text.split(",") if s.strip()}
+    unknown = sorted(chosen - set(SYSTEMS))
+    if unknown or not chosen:
+        raise UserError(f"--systems {text!r}: allowed: {', '.join(SYSTEMS)}")
+    return chosen
 
 
 def _write_timeline(path: str, title: str, validation: Validation) -> None:

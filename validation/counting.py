@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # c10d dispatcher ops -> (collective, index of the argument whose size is nccl-tests' size)
 C10D_OPS = {
     "c10d._allgather_base_": ("all_gather", 0),  # output tensor
+    "c10d.allgather_": ("all_gather", 0),  # list of output tensors (FSDP1 on a CPU: dist.all_gather)
     "c10d._reduce_scatter_base_": ("reduce_scatter", 1),  # input tensor
     "c10d.allreduce_": ("all_reduce", 0),  # list of tensors
 }

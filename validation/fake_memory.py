@@ -18,7 +18,9 @@ Kernels are the CPU ones (attention, loss); which attention kernel ran, and whet
 The attention mask is decided as in the real run (``one_sequence_per_row``): transformers counts a
 FakeTensor as tracing and, unable to read the positions, would assume packed sequences and
 materialise a mask (plus, with GQA, copies of K and V), where the real run passes ``is_causal``.
-NO_SHARD (DDP) is not supported: DDP's reducer needs real tensors.
+NO_SHARD (DDP) is not supported: DDP's reducer needs real tensors. FSDP1
+(``parallel.fsdp_version = 1``, NO_SHARD included) runs the same way, measured by the storage-level
+tracker of the real FSDP1 runs (``validation.step_memory``).
 """
 
 import contextlib
@@ -229,7 +231,7 @@ def categories(snapshot: dict[str, int]) -> dict[str, int]:
 
 
 def _check_supported(scenario: Scenario) -> None:
-    if scenario.parallel.strategy is Strategy.NO_SHARD:
+    if scenario.parallel.strategy is Strategy.NO_SHARD and scenario.parallel.fsdp_version == 2:
         raise UserError(
             f"{scenario.source}: parallel.strategy = NO_SHARD is not supported in fake mode "
             "(DDP's reducer needs real tensors); measure it with a real run (validation.worker)"
@@ -265,22 +267,35 @@ def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, A
             with one_sequence_per_row(trainer.model):
                 with KernelRecorder() as recorder:
                     trainer.step(0)  # untracked: creates the optimizer state
-                tracker = _tracker_class()(trainer.model, trainer.optimizer, detail=detail)
-                with tracker:
-                    trainer.step(1)
-            snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+                if scenario.parallel.fsdp_version == 1:
+                    measured, where = _fsdp1_step(trainer), {"tracker": "validation.step_memory"}
+                else:
+                    measured, where = _fsdp2_step(trainer, detail)
     finally:
         dist.destroy_process_group()
-    raw = {_name(name): int(value) for name, value in snapshot.items()}
     return {
-        "total": raw.get("Total", 0),
-        **categories(raw),
-        "raw": raw,
+        **measured,
         "world_size": k,
         "wall_s": time.perf_counter() - start,
         "kernels": {**recorder.kernels, "attention_kernel": attention_kernel(recorder.kernels)},
-        "peak_at": tracker.peak_where,
+        "peak_at": where,
     }
+
+
+def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    tracker = _tracker_class()(trainer.model, trainer.optimizer, detail=detail)
+    with tracker:
+        trainer.step(1)
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    raw = {_name(name): int(value) for name, value in snapshot.items()}
+    return {"total": raw.get("Total", 0), **categories(raw), "raw": raw}, tracker.peak_where
+
+
+def _fsdp1_step(trainer: FakeTrainer) -> dict[str, Any]:
+    """FSDP1 under the fake group: the storage-level tracker the real FSDP1 runs use."""
+    from validation.step_memory import measure_fsdp1_step
+
+    return measure_fsdp1_step(trainer.model, trainer.optimizer, lambda: trainer.step(1))
 
 
 def measure_fake_memory_subprocess(

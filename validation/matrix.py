@@ -19,6 +19,8 @@ from validation.compare import Comparison, Row, format_markdown
 from validation.run import calibrate_collectives, calibrated_profile, validate_one
 
 BASE = "scenarios/validate-cpu.toml"
+_DS = ["deepspeed.enabled=true", "deepspeed.reduce_bucket_size=2000000"]
+_DS_BF16 = [*_DS, "precision.param_dtype=bf16"]
 ROUNDS = 3
 
 # (name, overrides): strategies, wrap policies, checkpointing, prefetch, dtypes, two model sizes
@@ -37,6 +39,45 @@ MATRIX: list[tuple[str, list[str]]] = [
     # bf16 matmuls run ~20x slower than fp32 on this CPU (no native bf16), so the larger model
     # is validated in fp32
     ("34m FULL_SHARD block fp32 checkpointing", ["model.preset=llama-34m", "checkpointing.mode=full"]),
+    # FSDP1 (FullyShardedDataParallel): its defaults (BACKWARD_PRE, limit_all_gathers) unless named
+    ("FSDP1 5m FULL_SHARD block fp32", ["parallel.fsdp_version=1"]),
+    ("FSDP1 5m SHARD_GRAD_OP block fp32", ["parallel.fsdp_version=1", "parallel.strategy=SHARD_GRAD_OP"]),
+    ("FSDP1 5m NO_SHARD fp32", ["parallel.fsdp_version=1", "parallel.strategy=NO_SHARD"]),
+    ("FSDP1 5m FULL_SHARD block bf16", ["parallel.fsdp_version=1", "precision.param_dtype=bf16"]),
+    (
+        "FSDP1 5m FULL_SHARD block fp32 checkpointing",
+        ["parallel.fsdp_version=1", "checkpointing.mode=full"],
+    ),
+    (
+        "FSDP1 5m FULL_SHARD block fp32 BACKWARD_POST forward_prefetch use_orig_params",
+        [
+            "parallel.fsdp_version=1",
+            "fsdp1.backward_prefetch=BACKWARD_POST",
+            "fsdp1.forward_prefetch=true",
+            "fsdp1.use_orig_params=true",
+        ],
+    ),
+    ("FSDP1 34m FULL_SHARD block fp32", ["parallel.fsdp_version=1", "model.preset=llama-34m"]),
+    # DeepSpeed ZeRO (torch_adam AdamW); 2M-element buckets (the 5e8 default allocates 1 GB buffers)
+    ("DeepSpeed ZeRO-1 5m bf16", [*_DS_BF16, "deepspeed.stage=1"]),
+    (
+        "DeepSpeed ZeRO-2 5m bf16 overlap_comm",
+        [*_DS_BF16, "deepspeed.stage=2", "deepspeed.overlap_comm=true"],
+    ),
+    ("DeepSpeed ZeRO-2 5m fp32", [*_DS, "deepspeed.stage=2", "precision.param_dtype=fp32"]),
+    (
+        "DeepSpeed ZeRO-3 5m bf16",
+        [*_DS_BF16, "deepspeed.stage=3", "deepspeed.stage3_param_persistence_threshold=10000"],
+    ),
+    (
+        "DeepSpeed ZeRO-3 5m bf16 checkpointing",
+        [
+            *_DS_BF16,
+            "deepspeed.stage=3",
+            "deepspeed.stage3_param_persistence_threshold=10000",
+            "checkpointing.mode=full",
+        ],
+    ),
 ]
 
 
@@ -44,6 +85,7 @@ MEMORY_BASE = "scenarios/llama2-7b-8xh100-zero3.toml"
 _BF16 = ["precision.param_dtype=bf16", "precision.reduce_dtype=fp32"]
 _FP32 = ["precision.param_dtype=fp32", "precision.reduce_dtype=fp32"]
 _70B = ["model.preset=llama3-70b", "parallel.world_size=64", "training.micro_batch=1"]
+_FSDP1 = ["parallel.fsdp_version=1"]
 # (name, overrides of MEMORY_BASE): real presets at their real world sizes, one rank in fake mode
 MEMORY_MATRIX: list[tuple[str, list[str]]] = [
     ("Llama-2-7B, 8 ranks, fp32", _FP32),
@@ -69,6 +111,15 @@ MEMORY_MATRIX: list[tuple[str, list[str]]] = [
         "Llama-3-70B, 64 ranks, bf16, reshard_after_forward=False",
         [*_70B, *_BF16, "parallel.reshard_after_forward=false"],
     ),
+    ("FSDP1 Llama-2-7B, 8 ranks, fp32", [*_FSDP1, *_FP32]),
+    ("FSDP1 Llama-2-7B, 8 ranks, bf16", [*_FSDP1, *_BF16]),
+    ("FSDP1 Llama-2-7B, 8 ranks, bf16, checkpointing", [*_FSDP1, *_BF16, "checkpointing.mode=full"]),
+    ("FSDP1 Llama-2-7B, 8 ranks, bf16, SHARD_GRAD_OP", [*_FSDP1, *_BF16, "parallel.strategy=SHARD_GRAD_OP"]),
+    (
+        "FSDP1 Llama-2-7B, 8 ranks, bf16, use_orig_params, BACKWARD_POST",
+        [*_FSDP1, *_BF16, "fsdp1.use_orig_params=true", "fsdp1.backward_prefetch=BACKWARD_POST"],
+    ),
+    ("FSDP1 Llama-3-70B, 64 ranks, bf16", [*_FSDP1, *_70B, *_BF16]),
 ]
 
 
@@ -131,46 +182,89 @@ def median_comparison(rounds: list[Comparison]) -> Comparison:
     return Comparison(rows=rows, collectives=collectives, measured_step_s=measured_step_s)
 
 
+SYSTEMS = ("fsdp2", "fsdp1", "deepspeed")
+
+
+def system_of(overrides: list[str]) -> str:
+    """Which system a matrix row runs: FSDP1 (``parallel.fsdp_version=1``), DeepSpeed, or FSDP2/DDP."""
+    if any(o.startswith("deepspeed.") for o in overrides):
+        return "deepspeed"
+    return "fsdp1" if "parallel.fsdp_version=1" in overrides else "fsdp2"
+
+
+def _selected(rows: list[tuple[str, list[str]]], systems: set[str] | None) -> list[tuple[str, list[str]]]:
+    return [row for row in rows if systems is None or system_of(row[1]) in systems]
+
+
+def write_between_markers(path: str, key: str, section: str) -> None:
+    """Replace the section between ``<!-- key:begin -->`` and ``<!-- key:end -->`` in ``path``
+    (appended the first time), keeping the rest of the file."""
+    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+    p = Path(path)
+    text = p.read_text() if p.is_file() else ""
+    block = f"{begin}\n{section.rstrip()}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    write_text_atomic(path, text)
+
+
+def _run_config(
+    overrides: list[str], folder: Path, comm: Path, *, steps: int, warmup: int, nproc: int
+) -> Comparison:
+    """One configuration in one round: its compute calibrated for its own dimensions, then run."""
+    folder.mkdir()
+    sets = [*overrides, f"parallel.world_size={nproc}"]
+    profile = calibrated_profile(BASE, sets, nproc, folder, str(comm))
+    run = validate_one(
+        BASE, overrides, nproc=nproc, steps=steps, warmup=warmup, profile=profile, timeout_s=1800
+    )
+    return run.comparison
+
+
 def run_matrix(
-    *, out: str, steps: int, warmup: int, nproc: int, rounds: int = ROUNDS
+    *,
+    out: str,
+    steps: int,
+    warmup: int,
+    nproc: int,
+    rounds: int = ROUNDS,
+    systems: set[str] | None = None,
 ) -> list[tuple[str, Comparison]]:
     """Every configuration of MATRIX for real on ``nproc`` ranks in ``rounds`` interleaved rounds,
     then MEMORY_MATRIX in fake mode; ``out`` is rewritten after each run, so a stopped run keeps
-    what it has."""
+    what it has. With ``systems`` only their rows run, and they are written between markers in
+    ``out`` (``<!-- matrix:fsdp1,deepspeed:begin -->``), the rest of the file kept."""
     from validation.memory_only import validate_memory_only
 
-    runs: list[list[Comparison]] = [[] for _ in MATRIX]
+    matrix, memory_matrix = _selected(MATRIX, systems), _selected(MEMORY_MATRIX, systems)
+    runs: list[list[Comparison]] = [[] for _ in matrix]
     results: list[tuple[str, Comparison]] = []
     memory: list[tuple[str, Comparison]] = []
     with tempfile.TemporaryDirectory(prefix="fsdpsim-matrix-") as tmp:
         for rnd in range(rounds):
             comm = Path(tmp) / f"comm{rnd}.json"
             calibrate_collectives(comm, nproc)
-            for i, (name, overrides) in enumerate(MATRIX):
-                print(f"[round {rnd + 1}/{rounds}, {i + 1}/{len(MATRIX)}] {name}", flush=True)
+            for i, (name, overrides) in enumerate(matrix):
+                print(f"[round {rnd + 1}/{rounds}, {i + 1}/{len(matrix)}] {name}", flush=True)
                 folder = Path(tmp) / f"round{rnd}-config{i}"
-                folder.mkdir()
-                sets = [*overrides, f"parallel.world_size={nproc}"]
-                profile = calibrated_profile(BASE, sets, nproc, folder, str(comm))
-                runs[i].append(
-                    validate_one(
-                        BASE,
-                        overrides,
-                        nproc=nproc,
-                        steps=steps,
-                        warmup=warmup,
-                        profile=profile,
-                        timeout_s=1800,
-                    ).comparison
-                )
-                results = [(MATRIX[j][0], median_comparison(r)) for j, r in enumerate(runs) if r]
-                write_text_atomic(out, _document(results, memory, steps, warmup, nproc, rnd + 1))
-    for i, (name, overrides) in enumerate(MEMORY_MATRIX):
-        print(f"[memory {i + 1}/{len(MEMORY_MATRIX)}] {name}", flush=True)
+                runs[i].append(_run_config(overrides, folder, comm, steps=steps, warmup=warmup, nproc=nproc))
+                results = [(matrix[j][0], median_comparison(r)) for j, r in enumerate(runs) if r]
+                _write(out, systems, _document(results, memory, steps, warmup, nproc, rnd + 1, systems))
+    for i, (name, overrides) in enumerate(memory_matrix):
+        print(f"[memory {i + 1}/{len(memory_matrix)}] {name}", flush=True)
         comparison, _ = validate_memory_only(MEMORY_BASE, overrides, timeout_s=1800)
         memory.append((name, comparison))
-        write_text_atomic(out, _document(results, memory, steps, warmup, nproc, rounds))
+        _write(out, systems, _document(results, memory, steps, warmup, nproc, rounds, systems))
     return results
+
+
+def _write(out: str, systems: set[str] | None, document: str) -> None:
+    if systems is None:
+        write_text_atomic(out, document)
+    else:
+        write_between_markers(out, "matrix:" + ",".join(sorted(systems)), document)
 
 
 def _memory_summary(memory: list[tuple[str, Comparison]]) -> list[str]:
@@ -201,9 +295,14 @@ def _document(
     warmup: int,
     nproc: int,
     rounds: int,
+    systems: set[str] | None = None,
 ) -> str:
+    title = "# Validation: fsdp-sim against real FSDP2 runs"
+    if systems is not None:
+        title = f"## {', '.join(sorted(systems))} against the real systems (`make validate SYSTEMS=...`)"
+    h = "##" if systems is None else "###"
     text = [
-        "# Validation: fsdp-sim against real FSDP2 runs",
+        title,
         "",
         *_machine(nproc),
         "",
@@ -212,23 +311,24 @@ def _document(
         "compute for its own dimensions and runs it for real right after. Every figure below is the median "
         "over rounds (the min and max of a measured step are over all rounds).",
         "",
-        "## Summary",
+        f"{h} Summary",
         "",
         *_summary(results),
         "",
     ]
     if memory:
         text += [
-            "## Memory at scale (`fsdpsim validate --memory-only`)",
+            f"{h} Memory at scale (`fsdpsim validate --memory-only`)",
             "",
-            "One rank of the real FSDP2 step at the preset's world size (fake process group, FakeTensorMode, "
-            f"FSDPMemTracker), base `{MEMORY_BASE}` (micro-batch 2 x 4096; 70B: micro-batch 1), against the "
+            "One rank of the real FSDP2 (FSDP1) step at the preset's world size (fake process group, "
+            "FakeTensorMode, FSDPMemTracker; FSDP1: the storage-level tracker validation.step_memory), "
+            f"base `{MEMORY_BASE}` (micro-batch 2 x 4096; 70B: micro-batch 1), against the "
             "simulator with the attention kernel that ran. Categories are at each side's own peak.",
             "",
             *_memory_summary(memory),
             "",
         ]
-    text += ["## Every configuration", ""]
+    text += [f"{h} Every configuration", ""]
     for name, comparison in [*results, *memory]:
         text += [format_markdown(name, comparison), ""]
     return "\n".join(text)

@@ -15,10 +15,15 @@ from validation.compare import Comparison, memory_rows
 
 def matching_profile(scenario: Scenario, attention_kernel: str) -> HardwareProfile:
     """The scenario's profile with the attention kernel that ran and no backend temporaries
-    (the fake process group allocates none)."""
+    (the fake process group allocates none). For FSDP1 also serial, as the measured step ran: its
+    unshard stream does not wait for compute, so on a GPU a backward prefetch issued by a host
+    that runs ahead allocates while the loss is still computing, which a CPU step never does."""
     profile = load_profile(scenario.cluster.profile, where=f"{scenario.source}: cluster.profile")
     backend = dataclasses.replace(
-        profile.backend, attention_kernel=attention_kernel, collective_temp_buffers=False
+        profile.backend,
+        attention_kernel=attention_kernel,
+        collective_temp_buffers=False,
+        overlaps_comm_compute=profile.backend.overlaps_comm_compute and scenario.parallel.fsdp_version == 2,
     )
     return dataclasses.replace(profile, backend=backend)
 

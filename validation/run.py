@@ -77,7 +77,7 @@ def validate_one(
         report = build_report(result)
     spec = {"scenario": scenario_path, "overrides": overrides, "steps": steps, "warmup": warmup}
     ranks = run_real(spec, nproc, timeout_s)
-    fsdp = scenario.parallel.strategy is not Strategy.NO_SHARD
+    fsdp = scenario.parallel.strategy is not Strategy.NO_SHARD or scenario.parallel.fsdp_version == 1
     return Validation(
         predicted=result, ranks=ranks, comparison=compare(report, result.events, ranks, fsdp=fsdp)
     )

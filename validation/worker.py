@@ -23,6 +23,7 @@ from sim.fileio import write_text_atomic
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.workload.options import Strategy
+from validation.build import batch as _batch
 from validation.build import build_model, wrap
 from validation.counting import CollectiveCounter, counting_allreduce_hook
 
@@ -49,17 +50,10 @@ def _mesh(scenario: Scenario, device_type: str = "cpu"):
     from torch.distributed.device_mesh import init_device_mesh
 
     k = scenario.parallel.world_size
-    if scenario.parallel.strategy is Strategy.HYBRID_SHARD:
+    if scenario.parallel.strategy.is_hybrid:
         s = scenario.shard_group_size
         return init_device_mesh(device_type, (k // s, s), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device_type, (k,), mesh_dim_names=("shard",))
-
-
-def _batch(scenario: Scenario, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    t = scenario.training
-    ids = torch.randint(0, scenario.model.vocab, (t.micro_batch, t.seq_len), generator=g)
-    return ids, ids.clone()
 
 
 class Trainer:
@@ -110,10 +104,24 @@ class Trainer:
         return phases
 
 
-def _peak_memory(trainer: Trainer, index: int) -> dict[str, int]:
+def _storage_peak(trainer: Any, index: int) -> dict[str, Any] | None:
+    """FSDP1 and DeepSpeed, whose storages PyTorch's trackers cannot follow: ``validation.step_memory``."""
+    from validation.step_memory import measure_fsdp1_step, measure_step_from_live_tensors
+
+    if trainer.wrapped.fsdp_version == 1:
+        return measure_fsdp1_step(trainer.model, trainer.optimizer, lambda: trainer.step(index))
+    if trainer.wrapped.fsdp_version == 0:  # DeepSpeed: every tensor alive when the step starts
+        return measure_step_from_live_tensors(trainer.model, lambda: trainer.step(index))
+    return None
+
+
+def _peak_memory(trainer: Any, index: int) -> dict[str, int]:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    storage = _storage_peak(trainer, index)
+    if storage is not None:
+        return storage
     if trainer.wrapped.is_fsdp:
         tracker: Any = FSDPMemTracker(trainer.model, trainer.optimizer)
     else:
@@ -150,9 +158,17 @@ def _ddp_bucket_bytes(ddp: Any) -> int:
     return sum(int(x) for x in str(data.get("bucket_sizes", "")).split(",") if x.strip())
 
 
+def make_trainer(scenario: Scenario) -> Any:
+    """The scenario's real run: DeepSpeed's engine, or FSDP2 / FSDP1 / DDP."""
+    if scenario.deepspeed.enabled:
+        from validation.build_deepspeed import DeepSpeedTrainer
+
+        return DeepSpeedTrainer(scenario)
+    return Trainer(scenario)
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    scenario = load_scenario(spec["scenario"], spec.get("overrides", []))
-    trainer = Trainer(scenario)
+    trainer = make_trainer(load_scenario(spec["scenario"], spec.get("overrides", [])))
     for i in range(spec["warmup"]):
         trainer.step(i)
     times, phases = [], []

@@ -18,6 +18,12 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     run = sub.add_parser("run", help="simulate one training step of a scenario")
     run.add_argument("scenario", help="scenario TOML file (see scenarios/)")
     add_set_flag(run, "override a scenario key, e.g. --set parallel.world_size=64 (repeatable)")
+    run.add_argument(
+        "--deepspeed",
+        metavar="DS_CONFIG.json",
+        help="simulate DeepSpeed ZeRO as this DeepSpeed config sets it up (its batch, precision, optimizer "
+        "and zero_optimization override the scenario; --set still applies after it)",
+    )
     run.add_argument("--format", choices=("table", "json"), default="table", help="report format on stdout")
     run.add_argument("--out", metavar="FILE", help="also write the report (in --format) to FILE")
     run.add_argument("--timeline", metavar="HTML", help="write an interactive plotly timeline")
@@ -69,13 +75,27 @@ def _write_traces(args: argparse.Namespace, result: SimResult) -> None:
         print(f"{len(files)} per-rank traces written to {args.trace_dir}", file=sys.stderr)
 
 
+def scenario_overrides(args: argparse.Namespace) -> list[str]:
+    """``--deepspeed``'s overrides, then ``--set``'s; the DeepSpeed fields without effect on one
+    step are named on stderr."""
+    if not getattr(args, "deepspeed", None):
+        return list(args.overrides)
+    from sim.scenario.deepspeed_config import deepspeed_overrides
+
+    overrides, no_effect = deepspeed_overrides(args.deepspeed)
+    if no_effect:
+        print(f"{args.deepspeed}: accepted, no effect on one step: {', '.join(no_effect)}", file=sys.stderr)
+    return [*overrides, *args.overrides]
+
+
 def main(args: argparse.Namespace) -> int:
     _check_paths(args)
-    scenario = load_scenario(args.scenario, args.overrides)
+    overrides = scenario_overrides(args)
+    scenario = load_scenario(args.scenario, overrides)
     for warning in scenario.warnings:
         print(f"fsdpsim: warning: {warning}", file=sys.stderr)
     result = simulate(scenario)
-    other = simulate(load_scenario(args.scenario, [*args.overrides, *args.compare])) if args.compare else None
+    other = simulate(load_scenario(args.scenario, [*overrides, *args.compare])) if args.compare else None
     report = build_report(result)
     text = json.dumps(report.to_json(), indent=2) if args.format == "json" else format_table(report)
     print(text)

@@ -19,6 +19,9 @@ class Stream(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     HOST = "host"  # the CPU thread that issues the kernels (runs ahead of the device)
+    H2D = "h2d"  # host-to-device copies over PCIe (offload: parameters and states coming in)
+    D2H = "d2h"  # device-to-host copies over PCIe (offload: gradients going out)
+    NVME = "nvme"  # NVMe reads and writes (ZeRO-Infinity's swapped partitions)
 
 
 class OpKind(StrEnum):
@@ -31,6 +34,7 @@ class OpKind(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     HOST = "host"  # host work that issues kernels: eager dispatch, FSDP2's hooks
+    OFFLOAD = "offload"  # a transfer between device, host and NVMe memory (CPU/NVMe offload)
 
     @property
     def is_collective(self) -> bool:

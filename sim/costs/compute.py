@@ -274,13 +274,15 @@ def build_compute_costs(
     optimizer: OptimizerName,
     allow_scaling: bool = False,
     fsdp: bool = True,
+    fsdp_version: int = 2,
     lenders: Mapping[str, DeviceSpec] | None = None,
 ) -> ComputeCosts:
     """The cost model for ``param_dtype`` work on ``profile``, calibrated when the profile has a
     compute section. A section measured at other dimensions is refused, unless ``allow_scaling``:
     then each group's measured/analytic ratios, taken at the measured dimensions, scale the
     analytic model at the scenario's. ``fsdp`` picks the optimizer measured on FSDP2's DTensor
-    shards (else on plain tensors, as DDP holds them). ``lenders`` are profiles a part without
+    shards (else on plain tensors, as DDP and FSDP1 hold them); ``fsdp_version`` 1 takes FSDP1's
+    measured per-unit host work where the section has it (else FSDP2's). ``lenders`` are profiles a part without
     a published attention curve may borrow one from (``sim.costs.gpu.borrowed_attention``)."""
     where = f"profile {profile.name}"
     costs = _analytic_costs(profile, param_dtype, optimizer, where, lenders)
@@ -313,12 +315,16 @@ def build_compute_costs(
         per_param.get(optimizer.value, costs.optimizer_s_per_element) if optimizer.value != "none" else 0.0
     )
     in_step = compute.host_overhead_in_step
+    forward_overhead, backward_overhead = compute.fsdp_forward_overhead_s, compute.fsdp_backward_overhead_s
+    if fsdp_version == 1 and compute.fsdp1_forward_overhead_s is not None:
+        forward_overhead = compute.fsdp1_forward_overhead_s
+        backward_overhead = compute.fsdp1_backward_overhead_s or 0.0
     return ComputeCosts(
         kernels=costs.kernels,
         attention_kernel=costs.attention_kernel,
         copy_Bps=compute.copy_Bps,
         optimizer_s_per_element=optimizer_s,
-        fsdp_forward_overhead_s=compute.fsdp_forward_overhead_s if in_step else 0.0,
-        fsdp_backward_overhead_s=compute.fsdp_backward_overhead_s if in_step else 0.0,
+        fsdp_forward_overhead_s=forward_overhead if in_step else 0.0,
+        fsdp_backward_overhead_s=backward_overhead if in_step else 0.0,
         scales=scales,
     )

@@ -11,6 +11,7 @@ JSON shape::
       "optimizer_s_per_param": {"adamw": float, "sgd": float},          # plain tensors (DDP)
       "fsdp_optimizer_s_per_param": {"adamw": float, "sgd": float},     # DTensor shards (FSDP2)
       "fsdp_unit_overhead_s": {"forward": float, "backward": float},    # FSDP2's host work per unit
+      "fsdp1_unit_overhead_s": {"forward": float, "backward": float},   # FSDP1's (optional)
       "host_overhead_in_step": bool,   # true where the host is the device (CPU): the overhead adds up
       "compute_slowdown_during_collective": float
     }
@@ -86,6 +87,10 @@ class ComputeSection:
     fsdp_backward_overhead_s: float
     host_overhead_in_step: bool
     compute_slowdown_during_collective: float = 1.0
+    # FSDP1's host work per unit (FullyShardedDataParallel's hooks and flat-parameter views), measured
+    # the same way; None in profiles calibrated before it was measured
+    fsdp1_forward_overhead_s: float | None = None
+    fsdp1_backward_overhead_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The section as the profile's JSON stores it."""
@@ -104,6 +109,16 @@ class ComputeSection:
             },
             "host_overhead_in_step": self.host_overhead_in_step,
             "compute_slowdown_during_collective": self.compute_slowdown_during_collective,
+        } | self._fsdp1_dict()
+
+    def _fsdp1_dict(self) -> dict[str, Any]:
+        if self.fsdp1_forward_overhead_s is None or self.fsdp1_backward_overhead_s is None:
+            return {}
+        return {
+            "fsdp1_unit_overhead_s": {
+                "forward": self.fsdp1_forward_overhead_s,
+                "backward": self.fsdp1_backward_overhead_s,
+            }
         }
 
 
@@ -134,6 +149,9 @@ def parse_compute_section(data: Any, where: str) -> ComputeSection:
             backward_transient_bytes=round(u.number("backward_transient_bytes")),
         )
     overhead = r.sub("fsdp_unit_overhead_s")
+    fsdp1 = (
+        r.sub("fsdp1_unit_overhead_s") if isinstance(data, dict) and "fsdp1_unit_overhead_s" in data else None
+    )
     return ComputeSection(
         dims=_dims(r),
         micro_batch=int(r.get("micro_batch", int)),
@@ -147,4 +165,6 @@ def parse_compute_section(data: Any, where: str) -> ComputeSection:
         fsdp_backward_overhead_s=overhead.number("backward"),
         host_overhead_in_step=r.get("host_overhead_in_step", bool),
         compute_slowdown_during_collective=r.number("compute_slowdown_during_collective", 1.0, 1.0),
+        fsdp1_forward_overhead_s=fsdp1.number("forward") if fsdp1 is not None else None,
+        fsdp1_backward_overhead_s=fsdp1.number("backward") if fsdp1 is not None else None,
     )

@@ -132,11 +132,23 @@ def _device(dev: JsonReader, where: str) -> DeviceSpec:
     )
 
 
+OPTIONAL_NODE_RATES = (
+    "nvlink_bw_Bps",
+    "host_to_device_Bps",
+    "device_to_host_Bps",
+    "pageable_host_to_device_Bps",
+    "nvme_read_Bps",
+    "nvme_write_Bps",
+    "cpu_adam_s_per_param",
+    "cpu_torch_adamw_s_per_param",
+)
+
+
 def _node(r: JsonReader) -> NodeSpec:
     if "node" not in r.data:
         return NodeSpec()
     n = r.sub("node")
-    optional = {k: n.get(k, (int, float), None) for k in ("nvlink_bw_Bps", "host_to_device_Bps")}
+    optional = {k: n.get(k, (int, float), None) for k in OPTIONAL_NODE_RATES}
     for key, value in optional.items():
         if value is not None:
             n.positive(key)
@@ -152,6 +164,12 @@ def _node(r: JsonReader) -> NodeSpec:
         nic_gbps=n.number("nic_gbps", 0.0, 0.0),
         host_memory_bytes=None if host is None else int(n.positive("host_memory_bytes")),
         cluster=n.get("cluster", str, None),
+        device_to_host_Bps=optional["device_to_host_Bps"],
+        pageable_host_to_device_Bps=optional["pageable_host_to_device_Bps"],
+        nvme_read_Bps=optional["nvme_read_Bps"],
+        nvme_write_Bps=optional["nvme_write_Bps"],
+        cpu_adam_s_per_param=optional["cpu_adam_s_per_param"],
+        cpu_torch_adamw_s_per_param=optional["cpu_torch_adamw_s_per_param"],
     )
 
 

@@ -107,6 +107,27 @@ class NodeSpec:
     nic_gbps: float = 0.0
     host_memory_bytes: int | None = None
     cluster: str | None = None  # the built-in cluster (sim/hardware/clusters) these nodes come from
+    # -- the host side offload uses (``fsdpsim calibrate host`` measures what a machine allows) --
+    device_to_host_Bps: float | None = None  # measured pinned copy rate
+    pageable_host_to_device_Bps: float | None = None  # from pageable (not pinned) host memory
+    nvme_read_Bps: float | None = None  # per node, what ZeRO-Infinity swaps in at
+    nvme_write_Bps: float | None = None
+    # the optimizer on the host, seconds per parameter element for one rank (its share of the cores)
+    cpu_adam_s_per_param: float | None = None  # DeepSpeed's CPU Adam (ZeRO-Offload)
+    cpu_torch_adamw_s_per_param: float | None = None  # torch.optim.AdamW on CPU tensors (FSDP1 CPUOffload)
+
+    def pcie_Bps(self) -> float | None:
+        """The datasheet rate of the GPU's host link, per direction: PCIe 3.0/4.0/5.0 move 0.985 /
+        1.969 / 3.938 GB/s per lane after 128b/130b encoding (PCI-SIG base specifications)."""
+        per_lane = {3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
+        return None if self.pcie_gen not in per_lane else per_lane[self.pcie_gen] * self.pcie_lanes
+
+    def h2d_Bps(self) -> float | None:
+        """Pinned host-to-device: measured where known, else the PCIe datasheet rate."""
+        return self.host_to_device_Bps or self.pcie_Bps()
+
+    def d2h_Bps(self) -> float | None:
+        return self.device_to_host_Bps or self.host_to_device_Bps or self.pcie_Bps()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,9 @@ STREAM_IDS: dict[Stream, int] = {
     Stream.REDUCE_SCATTER: 24,
     Stream.ALL_REDUCE: 28,
     Stream.HOST: 1,  # the issuing CPU thread
+    Stream.H2D: 32,  # offload's copy streams (DeepSpeed's and FSDP1's side streams)
+    Stream.D2H: 36,
+    Stream.NVME: 40,
 }
 
 # Collective name c10d's record_param_comms stores for the call FSDP2 (or DDP) makes.

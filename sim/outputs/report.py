@@ -7,7 +7,7 @@ the one model-state formula (``sim.schedule.model_state``) and the FLOPs definit
 """
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sim.core.events import EventTable, MemoryCategory, OpKind
@@ -15,7 +15,8 @@ from sim.costs.nccl import runtime_channels
 from sim.outputs.allocator import nccl_buffer_bytes, peak_reserved_bytes
 from sim.outputs.intervals import Breakdown, rank_breakdown, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curve
-from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, model_state
+from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, host_bytes, model_state
+from sim.schedule.zero_state import zero_infinity_working_memory, zero_state
 from sim.simulate import SimResult, job_topology, scenario_network
 from sim.workload.flops import model_flops_per_token, recompute_flops_per_token
 from sim.workload.model import n_params
@@ -77,6 +78,7 @@ class StepReport:
     strategy: str
     wrap: str
     n_units: int
+    system: str = "FSDP2"  # FSDP2, FSDP1, DDP, DeepSpeed ZeRO-<stage>
     profile: str
     profile_calibrated: bool
     step_time_s: float
@@ -96,6 +98,11 @@ class StepReport:
     ranks_simulated: int
     per_rank: tuple[RankFigures, ...]
     padding: Padding | None = None
+    host_memory_bytes: int = 0  # pinned host memory per rank (offload)
+    nvme_bytes: int = 0  # what a rank keeps on NVMe (ZeRO-Infinity)
+    offload_bytes: Mapping[str, int] = field(default_factory=dict)  # per step, by stream: h2d, d2h, nvme
+    zero_infinity: Mapping[str, int] | None = None  # the paper's working-memory formulas (DeepSpeed)
+    skipped_step_fraction: float = 0.0  # what-if: steps an fp16 overflow skips (no update, same time)
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,7 +164,22 @@ class StepReport:
             "ranks_simulated": self.ranks_simulated,
             "per_rank": [r.to_json() for r in self.per_rank],
             **({"padding": self.padding.to_json()} if self.padding else {}),
+            **self._offload_json(),
         }
+
+    def _offload_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "system": self.system,
+            "host_memory_bytes": self.host_memory_bytes,
+            "nvme_bytes": self.nvme_bytes,
+            "offload_bytes": dict(self.offload_bytes),
+        }
+        if self.zero_infinity is not None:
+            out["zero_infinity"] = dict(self.zero_infinity)
+        if self.skipped_step_fraction:
+            out["skipped_step_fraction"] = self.skipped_step_fraction
+            out["effective_tokens_per_s"] = self.tokens_per_s * (1 - self.skipped_step_fraction)
+        return out
 
 
 def collective_totals(table: EventTable, rank: int) -> dict[OpKind, CollectiveTotals]:
@@ -196,7 +218,7 @@ def communicator_channels(result: SimResult, rank: int) -> int:
     return sum(runtime_channels(network.fabric(m)) for m in members if len(m) > 1)
 
 
-def device_memory(result: SimResult, rank: int, peak_allocated_bytes: int) -> dict[str, int]:
+def device_memory(result: SimResult, rank: int, peak_allocated_bytes: int) -> dict[str, Any]:
     """``peak_reserved_bytes`` and ``device_overhead_bytes`` of ``rank``: on a CUDA device the
     caching allocator's replay (with the cuBLAS workspace) and the context and NCCL buffers; on a
     host without a caching allocator (gloo, CPU), the allocated peak and nothing more."""
@@ -259,8 +281,9 @@ def build_report(result: SimResult) -> StepReport:
         model=s.model.name,
         n_params=n,
         world_size=k,
-        strategy=s.parallel.strategy.value,
-        wrap=s.parallel.wrap.value,
+        strategy=s.parallel.strategy.value if step.zero is None else f"ZeRO-{step.zero.stage}",
+        system=step.system,
+        wrap=s.parallel.wrap.value if step.zero is None else "every module with parameters",
         n_units=len(step.units),
         profile=profile.name,
         profile_calibrated=profile.calibrated,
@@ -274,7 +297,7 @@ def build_report(result: SimResult) -> StepReport:
         memory_at_peak=curves[worst].at(curves[worst].peak_index()),
         model_state=model_state(step),
         model_state_bytes_deepspeed_convention=deepspeed_convention_bytes(
-            n, s.parallel.strategy, max(1, step.shard_size)
+            n, s.parallel.strategy, max(1, step.shard_size), step.zero.stage if step.zero else None
         ),
         device_memory_bytes=profile.device.memory_bytes,
         **device_memory(result, worst, curves[worst].peak_bytes()),
@@ -282,4 +305,40 @@ def build_report(result: SimResult) -> StepReport:
         ranks_simulated=len(table.simulated_ranks),
         per_rank=_per_rank(table, figures, k),
         padding=Padding(seq_len=t.seq_len, avg_seq_len=t.avg_seq_len) if t.avg_seq_len is not None else None,
+        **_offload_fields(result),
+    )
+
+
+def _offload_fields(result: SimResult) -> dict[str, Any]:
+    step = result.step
+    return {
+        "host_memory_bytes": host_bytes(step),
+        "nvme_bytes": zero_state(step).nvme_bytes if step.zero else 0,
+        "offload_bytes": offload_totals(result.events, 0),
+        "zero_infinity": _zero_infinity(result) if step.zero else None,
+        "skipped_step_fraction": result.scenario.precision.skipped_step_fraction,
+    }
+
+
+def offload_totals(table: EventTable, rank: int) -> dict[str, int]:
+    """Bytes one rank moves per step over PCIe (h2d, d2h) and to and from NVMe."""
+    out: dict[str, int] = {}
+    for op in table.ops_of(rank):
+        if op.kind is OpKind.OFFLOAD:
+            out[op.stream.value] = out.get(op.stream.value, 0) + op.bytes
+    return out
+
+
+def _zero_infinity(result: SimResult) -> dict[str, int]:
+    s, plan = result.scenario, result.step.checkpoint
+    every = None
+    if plan.active:
+        every = max(1, s.model.n_layers // len(plan.blocks))
+    return zero_infinity_working_memory(
+        hidden=s.model.hidden,
+        n_heads=s.model.n_heads,
+        n_layers=s.model.n_layers,
+        micro_batch=s.training.micro_batch,
+        seq_len=s.training.seq_len,
+        checkpoint_every=every,
     )

@@ -30,12 +30,32 @@ def _share(part_s: float, step_s: float) -> str:
     return f"{part_s / step_s:.0%}" if step_s > 0 else "-"
 
 
+def _offload_lines(r: StepReport) -> list[str]:
+    lines = []
+    if r.host_memory_bytes or r.nvme_bytes:
+        lines.append(
+            f"offload       host {gib(r.host_memory_bytes)} per rank (pinned), NVMe {gib(r.nvme_bytes)} per rank"
+        )
+    if r.offload_bytes:
+        moved = ", ".join(f"{k} {gib(v)}" for k, v in r.offload_bytes.items())
+        lines.append(f"  moved per step: {moved}")
+    z = r.zero_infinity
+    if z:
+        lines.append(
+            f"ZeRO-Infinity working memory (paper's formulas): model-state {gib(z['model_state_working_memory_bytes'])}, "
+            f"activation {gib(z['activation_working_memory_bytes'])}, checkpoints {gib(z['activation_checkpoint_bytes'])}"
+        )
+    return lines
+
+
 def format_table(r: StepReport) -> str:
     b, step = r.breakdown, r.step_time_s
     lines = [
         f"scenario      {r.scenario}",
         f"model         {r.model} ({r.n_params:,} params)",
-        f"parallel      {r.strategy}, wrap={r.wrap} ({r.n_units} units), {r.world_size} ranks",
+        f"parallel      {r.system} {r.strategy}, wrap={r.wrap} ({r.n_units} units), {r.world_size} ranks"
+        if not r.system.startswith("DeepSpeed")
+        else f"parallel      {r.system}, {r.world_size} ranks",
         f"profile       {r.profile}" + ("" if r.profile_calibrated else " (datasheet, not calibrated)"),
         "",
         f"step time     {ms(step)}",
@@ -57,6 +77,7 @@ def format_table(r: StepReport) -> str:
         f"model state   {gib(state.total)} per rank (params {gib(state.params)}, grads {gib(state.grads)}, "
         f"optimizer {gib(state.optimizer)})",
         f"  ZeRO-paper convention (2+2+12 B/param): {gib(r.model_state_bytes_deepspeed_convention)}",
+        *_offload_lines(r),
         "",
         "collectives per step (rank 0):",
     ]

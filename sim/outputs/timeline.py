@@ -41,6 +41,7 @@ KIND_COLOURS: dict[OpKind, str] = {
     OpKind.REDUCE_SCATTER: "#EECA3B",
     OpKind.ALL_REDUCE: "#FF9DA6",
     OpKind.HOST: "#79706E",
+    OpKind.OFFLOAD: "#E45756",
 }
 CATEGORY_COLOURS: dict[MemoryCategory, str] = {
     MemoryCategory.PARAMS: "#4C78A8",

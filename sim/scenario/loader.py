@@ -156,7 +156,7 @@ def _check(s: Scenario, where: str) -> None:
     _check_cluster(s, where, positive)
     if p.forward_prefetch < 0 or p.backward_prefetch < 0:
         raise UserError(f"{where}: parallel.forward_prefetch and parallel.backward_prefetch must be >= 0")
-    for name in ("param_dtype", "reduce_dtype"):
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
         value = getattr(s.precision, name)
         if value is not None:
             try:
@@ -165,14 +165,24 @@ def _check(s: Scenario, where: str) -> None:
                 raise UserError(f"{where}: precision.{name}: {e}") from None
     if p.shard_group_size is not None:
         positive("parallel.shard_group_size", p.shard_group_size)
-    if p.strategy is Strategy.HYBRID_SHARD:
+    if p.strategy.is_hybrid:
         g = s.shard_group_size
         if g <= 0 or p.world_size % g:
             raise UserError(
                 f"{where}: parallel.world_size ({p.world_size}) must be divisible by parallel.shard_group_size ({g})"
             )
     elif p.shard_group_size is not None:
-        raise UserError(f"{where}: parallel.shard_group_size applies only to strategy HYBRID_SHARD")
+        raise UserError(
+            f"{where}: parallel.shard_group_size applies only to strategies HYBRID_SHARD and _HYBRID_SHARD_ZERO2"
+        )
+    if not 0.0 <= s.precision.skipped_step_fraction < 1.0:
+        raise UserError(f"{where}: precision.skipped_step_fraction must be in [0, 1)")
+    if s.precision.grad_scaler and s.deepspeed.enabled:
+        raise UserError(
+            f"{where}: precision.grad_scaler: DeepSpeed scales fp16 losses itself (fp16 in [precision])"
+        )
+    _check_fsdp_version(s, where)
+    _check_deepspeed(s, where)
     sim = s.simulation
     if sim.compute_jitter < 0:
         raise UserError(f"{where}: simulation.compute_jitter must be >= 0")
@@ -198,6 +208,59 @@ def _check_cluster(s: Scenario, where: str, positive: Callable[[str, float], Non
         raise UserError(
             f"{where}: cluster.spine_oversubscription must be >= 1, got {c.spine_oversubscription}"
         )
+
+
+def _check_fsdp_version(s: Scenario, where: str) -> None:
+    """FSDP1 and FSDP2 exist; FSDP2 has no ``_HYBRID_SHARD_ZERO2`` name (it is HSDP without
+    resharding) but the schedule is the same, so it is accepted; CPU offload is FSDP1's only."""
+    p = s.parallel
+    if p.fsdp_version not in (1, 2):
+        raise UserError(f"{where}: parallel.fsdp_version = {p.fsdp_version} is not allowed; allowed: 1, 2")
+    if p.fsdp_version == 2 and s.fsdp1.cpu_offload:
+        raise UserError(f"{where}: fsdp1.cpu_offload needs parallel.fsdp_version = 1")
+    if p.fsdp_version == 1 and s.fsdp1.cpu_offload and s.training.grad_accum > 1:
+        raise UserError(
+            f"{where}: fsdp1.cpu_offload with training.grad_accum > 1 fails in FSDP1 itself "
+            "(prepare_gradient_for_backward cannot add a CPU gradient to a device one)"
+        )
+    if p.fsdp_version == 1 and s.fsdp1.cpu_offload and p.strategy is Strategy.NO_SHARD:
+        raise UserError(
+            f"{where}: fsdp1.cpu_offload with strategy NO_SHARD is not modelled; use a sharded strategy"
+        )
+
+
+def _check_deepspeed(s: Scenario, where: str) -> None:
+    d = s.deepspeed
+    if not d.enabled:
+        return
+    if d.stage not in (1, 2, 3):
+        raise UserError(
+            f"{where}: deepspeed.stage = {d.stage} is not allowed; allowed: 1, 2, 3 (ZeRO stages)"
+        )
+    for name in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size"):
+        if getattr(d, name) <= 0:
+            raise UserError(f"{where}: deepspeed.{name} must be > 0, got {getattr(d, name)}")
+    if s.param_dtype not in ("bf16", "fp16", "fp32"):
+        raise UserError(
+            f"{where}: precision.param_dtype = {s.param_dtype!r}: DeepSpeed trains in fp32, bf16 or fp16"
+        )
+    if s.parallel.strategy is not Strategy.FULL_SHARD or s.parallel.fsdp_version != 2:
+        raise UserError(
+            f"{where}: deepspeed.enabled: the ZeRO stage is deepspeed.stage; leave parallel.strategy "
+            "(FULL_SHARD) and parallel.fsdp_version (2) at their defaults"
+        )
+    total = s.training.micro_batch * s.training.grad_accum * s.parallel.world_size
+    if d.train_batch_size is not None and d.train_batch_size != total:
+        raise UserError(
+            f"{where}: deepspeed.train_batch_size = {d.train_batch_size} but micro_batch x grad_accum x world_size "
+            f"= {s.training.micro_batch} x {s.training.grad_accum} x {s.parallel.world_size} = {total}"
+        )
+    if d.offload_optimizer.value == "nvme" and d.stage != 3:
+        raise UserError(
+            f"{where}: deepspeed.offload_optimizer = nvme needs deepspeed.stage = 3 (ZeRO-Infinity)"
+        )
+    if d.offload_param.value != "none" and d.stage != 3:
+        raise UserError(f"{where}: deepspeed.offload_param needs deepspeed.stage = 3")
 
 
 def _check_selective(s: Scenario, where: str) -> None:

@@ -10,7 +10,17 @@ from dataclasses import dataclass
 
 from sim.hardware.cluster import ClusterSpec
 from sim.workload.model import ModelConfig
-from sim.workload.options import CheckpointMode, LossKernel, OptimizerName, Strategy, WrapPolicy
+from sim.workload.options import (
+    BackwardPrefetch,
+    CheckpointMode,
+    Fsdp1Options,
+    LossKernel,
+    OffloadDevice,
+    OptimizerName,
+    Strategy,
+    WrapPolicy,
+    ZeroOptions,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,12 +57,80 @@ class ParallelSection:
     )
     backward_prefetch: int = 1  # units all-gathered ahead in backward; 1 is FSDP2's implicit default
     ddp_bucket_mb: float = 25.0  # NO_SHARD: DistributedDataParallel bucket_cap_mb
+    # 2: ``fully_shard`` (FSDP2; NO_SHARD is DDP); 1: ``FullyShardedDataParallel`` (FSDP1, knobs in [fsdp1])
+    fsdp_version: int = 2
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionSection:
     param_dtype: str = "fp32"  # MixedPrecisionPolicy.param_dtype; master params stay fp32
     reduce_dtype: str | None = None  # default: param_dtype
+    buffer_dtype: str | None = None  # FSDP1 MixedPrecision.buffer_dtype; default: buffers stay fp32
+    # fp16 loss scaling with (Sharded)GradScaler: unscale_ and the inf check before each step
+    grad_scaler: bool = False
+    skipped_step_fraction: float = 0.0  # what-if: the share of steps an overflow skips
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fsdp1Section:
+    """``FullyShardedDataParallel``'s own arguments, named as PyTorch names them (read when
+    ``parallel.fsdp_version = 1``; the sharding strategy is ``parallel.strategy``, the dtypes
+    ``[precision]``)."""
+
+    backward_prefetch: BackwardPrefetch = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    use_orig_params: bool = False
+    cpu_offload: bool = False  # CPUOffload(offload_params=True)
+
+    def options(self) -> Fsdp1Options:
+        return Fsdp1Options(
+            backward_prefetch=self.backward_prefetch,
+            forward_prefetch=self.forward_prefetch,
+            limit_all_gathers=self.limit_all_gathers,
+            use_orig_params=self.use_orig_params,
+            offload_params=self.cpu_offload,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedSection:
+    """DeepSpeed ZeRO (``enabled = true``), its ``zero_optimization`` fields named as DeepSpeed
+    names them (sizes in elements); ``fsdpsim run --deepspeed ds_config.json`` fills this section
+    (and the batch, precision and optimizer) from a real DeepSpeed config. The dtypes come from
+    ``[precision]``: ``bf16`` or ``fp16`` parameters (fp16 with dynamic loss scaling)."""
+
+    enabled: bool = False
+    stage: int = 2
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default, true for stage 3 only
+    contiguous_gradients: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: OffloadDevice = OffloadDevice.NONE
+    offload_param: OffloadDevice = OffloadDevice.NONE
+    train_batch_size: int | None = None  # checked: micro_batch x grad_accum x world_size
+
+    def options(self, param_dtype: str) -> ZeroOptions:
+        return ZeroOptions(
+            stage=self.stage,
+            reduce_bucket_size=self.reduce_bucket_size,
+            allgather_bucket_size=self.allgather_bucket_size,
+            overlap_comm=self.stage == 3 if self.overlap_comm is None else self.overlap_comm,
+            contiguous_gradients=self.contiguous_gradients,
+            prefetch_bucket_size=self.stage3_prefetch_bucket_size,
+            param_persistence_threshold=self.stage3_param_persistence_threshold,
+            max_live_parameters=self.stage3_max_live_parameters,
+            max_reuse_distance=self.stage3_max_reuse_distance,
+            sub_group_size=self.sub_group_size,
+            loss_scaling=param_dtype == "fp16",
+            offload_optimizer=self.offload_optimizer,
+            offload_param=self.offload_param,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +189,8 @@ SECTIONS: dict[str, type] = {
     "training": TrainingSection,
     "parallel": ParallelSection,
     "precision": PrecisionSection,
+    "fsdp1": Fsdp1Section,
+    "deepspeed": DeepSpeedSection,
     "optimizer": OptimizerSection,
     "checkpointing": CheckpointingSection,
     "cluster": ClusterSection,
@@ -125,6 +205,8 @@ class Scenario:
     training: TrainingSection
     parallel: ParallelSection
     precision: PrecisionSection
+    fsdp1: Fsdp1Section
+    deepspeed: DeepSpeedSection
     optimizer: OptimizerSection
     checkpointing: CheckpointingSection
     cluster: ClusterSection
@@ -145,7 +227,7 @@ class Scenario:
     def reshard_after_forward(self) -> bool:
         if self.parallel.reshard_after_forward is not None:
             return self.parallel.reshard_after_forward
-        return self.parallel.strategy is not Strategy.SHARD_GRAD_OP
+        return self.parallel.strategy not in (Strategy.SHARD_GRAD_OP, Strategy.HYBRID_SHARD_ZERO2)
 
     @property
     def shard_group_size(self) -> int:
@@ -153,9 +235,19 @@ class Scenario:
         strategy, k = self.parallel.strategy, self.parallel.world_size
         if strategy is Strategy.NO_SHARD:
             return 1
-        if strategy is Strategy.HYBRID_SHARD:
+        if strategy.is_hybrid:
             return self.parallel.shard_group_size or min(k, self.gpus_per_node)
         return k
+
+    @property
+    def fsdp1_options(self) -> Fsdp1Options | None:
+        """FSDP1's arguments when the scenario runs ``FullyShardedDataParallel``, else None."""
+        return self.fsdp1.options() if self.parallel.fsdp_version == 1 else None
+
+    @property
+    def zero_options(self) -> ZeroOptions | None:
+        """DeepSpeed ZeRO's settings when the scenario runs DeepSpeed, else None."""
+        return self.deepspeed.options(self.param_dtype) if self.deepspeed.enabled else None
 
     @property
     def tokens_per_step(self) -> int:

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 from sim.core.events import MemoryCategory, OpKind, Stream
 from sim.core.program import Alloc, Program
+from sim.core.topology import GroupKind
 from sim.schedule.model_state import numel_per_rank, resident_allocs
 from sim.schedule.step import StepConfig
 from sim.workload.options import OptimizerName
-from sim.workload.units import ROOT
+from sim.workload.units import ROOT, input_needs_grad
 
 
 @dataclass(kw_only=True)
@@ -26,6 +27,29 @@ class Activations:
     kept: dict[int, str] = field(default_factory=dict)  # segment -> outputs op-level SAC keeps
 
 
+@dataclass(frozen=True, kw_only=True)
+class UnitLayout:
+    """Where each unit's segments lie, and how FSDP hooks see it (computed once per step)."""
+
+    padded: dict[str, int]
+    first_seg: dict[str, int]
+    last_seg: dict[str, int]
+    forward_units: list[str]  # non-root units in forward order
+    needs_grad: dict[str, bool]
+
+    @staticmethod
+    def of(cfg: StepConfig) -> "UnitLayout":
+        segs = cfg.segments
+        first = {u.name: min(i for i, s in enumerate(segs) if s.unit == u.name) for u in cfg.units}
+        return UnitLayout(
+            padded={u.name: cfg.padded_numel(u) for u in cfg.units},
+            first_seg=first,
+            last_seg={u.name: max(i for i, s in enumerate(segs) if s.unit == u.name) for u in cfg.units},
+            forward_units=[s.unit for i, s in enumerate(segs) if s.unit != ROOT and first[s.unit] == i],
+            needs_grad={u.name: input_needs_grad(u, list(segs)) for u in cfg.units},
+        )
+
+
 class ScheduleBuilder:
     def __init__(self, cfg: StepConfig):
         self.cfg = cfg
@@ -33,6 +57,7 @@ class ScheduleBuilder:
         self.compute_waits: list[int] = []  # ops the next compute-stream op waits for
         self.grad_labels: list[str] = []  # gradients the optimizer step consumes
         self.host_cursor: int | None = None  # the host's last op: nothing it issues starts before
+        self.last_collective: dict[GroupKind, int] = {}  # one communicator per group: issue order
         self._counter = 0
 
     def label(self, what: str, unit: str, mb: int) -> str:
@@ -90,6 +115,95 @@ class ScheduleBuilder:
             end_allocs=end_allocs,
             start_frees=start_frees,
         )
+
+    def collective(
+        self,
+        kind: OpKind,
+        stream: Stream,
+        unit: str,
+        nbytes: int,
+        group: GroupKind,
+        dtype: str,
+        *,
+        mb: int,
+        deps: tuple[int, ...],
+        allocs: tuple[Alloc, ...] = (),
+        frees: tuple[str, ...] = (),
+        end_allocs: tuple[Alloc, ...] = (),
+        extra_s: float = 0.0,
+        name: str | None = None,
+    ) -> int:
+        """A collective on ``stream``, after the previous collective of its group; on a backend that
+        stages collectives (gloo), with a temporary as large as its input or output. ``extra_s``:
+        work on the same stream just before it (a cast, a copy-in), part of the op's time."""
+        deps = self.issued(deps)
+        if group in self.last_collective:
+            deps = (*deps, self.last_collective[group])
+        if self.cfg.collective_temp_buffers:
+            temp = self.label(f"{kind.value}_temp", unit, mb)
+            allocs = (*allocs, Alloc(label=temp, category=MemoryCategory.COMM_BUFFERS, bytes=nbytes))
+            frees = (*frees, temp)
+        cost = self.cfg.collective(kind.value, nbytes, group, dtype)
+        op = self.program.emit(
+            stream=stream,
+            kind=kind,
+            name=name or f"{kind.value} {unit}",
+            unit=unit,
+            microbatch=mb,
+            duration_s=cost.time_s + extra_s,
+            deps=deps,
+            allocs=allocs,
+            frees=frees,
+            end_allocs=end_allocs,
+            group=group,
+            bytes=nbytes,
+            algorithm=cost.algorithm,
+            protocol=cost.protocol,
+            channels=cost.channels,
+            wire_fraction=cost.wire_fraction,
+        )
+        self.last_collective[group] = op
+        return op
+
+    def transfer(
+        self,
+        stream: Stream,
+        name: str,
+        unit: str,
+        mb: int,
+        nbytes: int,
+        duration_s: float,
+        *,
+        deps: tuple[int, ...] = (),
+        allocs: tuple[Alloc, ...] = (),
+        frees: tuple[str, ...] = (),
+    ) -> int:
+        """An offload copy (PCIe or NVMe) of ``nbytes`` on its own stream."""
+        return self.program.emit(
+            stream=stream,
+            kind=OpKind.OFFLOAD,
+            name=name,
+            unit=unit,
+            microbatch=mb,
+            duration_s=duration_s,
+            deps=self.issued(deps),
+            allocs=allocs,
+            frees=frees,
+            bytes=nbytes,
+        )
+
+    def host_optimizer(self, name: str, mb: int, duration_s: float, deps: tuple[int, ...]) -> int:
+        """The optimizer stepping on the host CPU (offload): the host is busy, issuing nothing."""
+        self.host_cursor = self.program.emit(
+            stream=Stream.HOST,
+            kind=OpKind.OPTIMIZER,
+            name=name,
+            unit=ROOT,
+            microbatch=mb,
+            duration_s=duration_s,
+            deps=self.issued(deps),
+        )
+        return self.host_cursor
 
     def checkpointed(self, i: int) -> bool:
         return self.cfg.checkpoint.covers(self.cfg.segments[i].block)
@@ -210,10 +324,36 @@ class ScheduleBuilder:
             host_s=fig.backward_host_s,
         )
 
+    def grad_scaler_unscale(self) -> None:
+        """``scaler.unscale_(optimizer)``: ``_amp_foreach_non_finite_check_and_unscale_`` reads and
+        writes every fp32 gradient element this rank holds; ``ShardedGradScaler`` then all-reduces
+        its found-inf flag (one fp32 element) over the shard group (torch 2.13
+        ``fsdp/sharded_grad_scaler.py``); DDP's ``GradScaler`` needs no collective."""
+        cfg, mb = self.cfg, self.cfg.grad_accum - 1
+        numel = numel_per_rank(cfg)
+        op = self.compute(
+            OpKind.COPY, "grad scaler unscale_", ROOT, mb, cfg.costs.copy_s(numel * cfg.master_bytes)
+        )
+        if cfg.sharded and cfg.shard_size > 1:
+            flag = self.collective(
+                OpKind.ALL_REDUCE,
+                Stream.ALL_REDUCE,
+                ROOT,
+                cfg.master_bytes,
+                GroupKind.SHARD,
+                "fp32",
+                mb=mb,
+                deps=(op,),
+                name="all_reduce found_inf",
+            )
+            self.compute_waits.append(flag)
+
     def optimizer_step(self) -> None:
         """One step over the parameters this rank holds; ``zero_grad(set_to_none=True)`` after it.
         foreach AdamW holds one fp32 temporary per parameter (the sqrt of exp_avg_sq)."""
         cfg = self.cfg
+        if cfg.grad_scaler:
+            self.grad_scaler_unscale()
         numel = numel_per_rank(cfg)
         temp = "optimizer_temp"
         temp_bytes = numel * cfg.master_bytes if cfg.optimizer is OptimizerName.ADAMW else 0

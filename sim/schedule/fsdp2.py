@@ -24,9 +24,9 @@ from sim.core.events import MemoryCategory as Mem
 from sim.core.events import OpKind, Stream
 from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
-from sim.schedule.base import Activations, ScheduleBuilder
+from sim.schedule.base import Activations, ScheduleBuilder, UnitLayout
 from sim.schedule.step import StepConfig
-from sim.workload.units import ROOT, input_needs_grad
+from sim.workload.units import ROOT
 
 
 @dataclass(kw_only=True)
@@ -46,35 +46,11 @@ class Microbatch(Activations):
     post_backward_done: set[str] = field(default_factory=set)
 
 
-@dataclass(frozen=True, kw_only=True)
-class UnitLayout:
-    """Where each unit's segments lie, and how FSDP2 hooks see it (computed once per step)."""
-
-    padded: dict[str, int]
-    first_seg: dict[str, int]
-    last_seg: dict[str, int]
-    forward_units: list[str]  # non-root units in forward order
-    needs_grad: dict[str, bool]
-
-    @staticmethod
-    def of(cfg: StepConfig) -> "UnitLayout":
-        segs = cfg.segments
-        first = {u.name: min(i for i, s in enumerate(segs) if s.unit == u.name) for u in cfg.units}
-        return UnitLayout(
-            padded={u.name: u.padded_numel(cfg.shard_size) for u in cfg.units},
-            first_seg=first,
-            last_seg={u.name: max(i for i, s in enumerate(segs) if s.unit == u.name) for u in cfg.units},
-            forward_units=[s.unit for i, s in enumerate(segs) if s.unit != ROOT and first[s.unit] == i],
-            needs_grad={u.name: input_needs_grad(u, list(segs)) for u in cfg.units},
-        )
-
-
 class Fsdp2ScheduleBuilder(ScheduleBuilder):
     def __init__(self, cfg: StepConfig):
         super().__init__(cfg)
         self.w = cfg.shard_size
         self.layout = UnitLayout.of(cfg)
-        self.last_collective: dict[GroupKind, int] = {}  # one communicator per group: issue order
         self.reductions: list[int] = []  # every reduction so far: the final callback waits for them
         self.mb = Microbatch(index=0)
 
@@ -85,53 +61,6 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             self._backward()
         self.optimizer_step()
         return self.program
-
-    # -- collectives -----------------------------------------------------------------------
-
-    def _collective(
-        self,
-        kind: OpKind,
-        stream: Stream,
-        unit: str,
-        nbytes: int,
-        group: GroupKind,
-        dtype: str,
-        *,
-        deps: tuple[int, ...],
-        allocs: tuple[Alloc, ...] = (),
-        frees: tuple[str, ...] = (),
-        extra_s: float = 0.0,
-    ) -> int:
-        """A collective on ``stream``, after the previous collective of its group; on a backend that
-        stages collectives (gloo), with a temporary as large as its input or output."""
-        mb = self.mb.index
-        deps = self.issued(deps)
-        if group in self.last_collective:
-            deps = (*deps, self.last_collective[group])
-        if self.cfg.collective_temp_buffers:
-            temp = self.label(f"{kind.value}_temp", unit, mb)
-            allocs = (*allocs, Alloc(label=temp, category=Mem.COMM_BUFFERS, bytes=nbytes))
-            frees = (*frees, temp)
-        cost = self.cfg.collective(kind.value, nbytes, group, dtype)
-        op = self.program.emit(
-            stream=stream,
-            kind=kind,
-            name=f"{kind.value} {unit}",
-            unit=unit,
-            microbatch=mb,
-            duration_s=cost.time_s + extra_s,
-            deps=deps,
-            allocs=allocs,
-            frees=frees,
-            group=group,
-            bytes=nbytes,
-            algorithm=cost.algorithm,
-            protocol=cost.protocol,
-            channels=cost.channels,
-            wire_fraction=cost.wire_fraction,
-        )
-        self.last_collective[group] = op
-        return op
 
     # -- unshard ---------------------------------------------------------------------------
 
@@ -156,13 +85,14 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         # the copy-in (the shard into the send buffer, cast to param_dtype) runs just before the
         # collective on the all-gather stream: it is part of this op's time
         copy_in_s = cfg.costs.copy_s(padded // self.w * max(cfg.param_bytes, cfg.master_bytes))
-        op = self._collective(
+        op = self.collective(
             OpKind.ALL_GATHER,
             Stream.ALL_GATHER,
             unit,
             padded * cfg.param_bytes,
             GroupKind.SHARD,
             cfg.param_dtype,
+            mb=self.mb.index,
             deps=(mb.ag_wait,) if mb.ag_wait is not None else (),
             allocs=tuple(allocs),
             frees=tuple(frees),
@@ -334,26 +264,28 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
                 frees=rs_frees,
             )
         else:
-            rs = self._collective(
+            rs = self.collective(
                 OpKind.REDUCE_SCATTER,
                 Stream.REDUCE_SCATTER,
                 unit,
                 padded * cfg.reduce_bytes,
                 GroupKind.SHARD,
                 cfg.reduce_dtype,
+                mb=self.mb.index,
                 deps=(copy_in,),
                 allocs=allocs,
                 frees=rs_frees,
             )
         last = rs
         if cfg.hybrid:
-            last = self._collective(
+            last = self.collective(
                 OpKind.ALL_REDUCE,
                 Stream.ALL_REDUCE,
                 unit,
                 shard * cfg.reduce_bytes,
                 GroupKind.REPLICATE,
                 cfg.reduce_dtype,
+                mb=self.mb.index,
                 deps=(rs,),
                 frees=output_frees,
             )

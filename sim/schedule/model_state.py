@@ -4,9 +4,10 @@ Used by the schedules (their resident allocations), the report (``model_state_by
 tuner's memory bound, so the three can never disagree.
 
 FSDP2 pads each parameter's dim 0 to a multiple of the shard group (``_get_dim0_padded_size``)
-and keeps fp32 shards of parameters, gradients and every optimizer state; DDP keeps all of them
-whole, plus its gradient buckets (``gradient_as_bucket_view=False``: a second copy of the
-gradients in ``reduce_dtype``).
+and keeps fp32 shards of parameters, gradients and every optimizer state; FSDP1 pads each unit's
+``FlatParameter`` instead (``StepConfig.padded_numel``) and keeps the same fp32 shards; DDP keeps
+all of them whole, plus its gradient buckets (``gradient_as_bucket_view=False``: a second copy of
+the gradients in ``reduce_dtype``).
 """
 
 from dataclasses import dataclass
@@ -33,33 +34,61 @@ class ModelState:
 
 
 def unit_numel_per_rank(step: StepConfig, unit: WrapUnit) -> int:
-    """Elements of ``unit`` one rank holds: its padded shard under FSDP, all of it under DDP."""
+    """Elements of ``unit`` one rank holds: its padded shard under FSDP, all of it under NO_SHARD."""
     w = step.shard_size if step.sharded else 1
-    return unit.padded_numel(w) // w
+    return step.padded_numel(unit) // w
 
 
 def numel_per_rank(step: StepConfig) -> int:
+    """Elements whose optimizer state this rank steps."""
+    if step.zero is not None:
+        from sim.schedule.zero_state import zero_state
+
+        return zero_state(step).partition_numel
     return sum(unit_numel_per_rank(step, u) for u in step.units)
 
 
 def model_state(step: StepConfig) -> ModelState:
+    if step.zero is not None:
+        from sim.schedule.zero_state import zero_state
+
+        z = zero_state(step)
+        return ModelState(params=z.params, grads=z.grads, optimizer=z.optimizer)
     numel, b = numel_per_rank(step), step.master_bytes
+    if step.fsdp1 is not None and step.fsdp1.offload_params:  # CPUOffload: shards and states on the host
+        return ModelState(params=0, grads=numel * b, optimizer=0)
     return ModelState(
         params=numel * b, grads=numel * b, optimizer=OPTIMIZER_STATES[step.optimizer] * numel * b
     )
 
 
+def host_bytes(step: StepConfig) -> int:
+    """Pinned host memory one rank holds: FSDP1 CPUOffload's fp32 shards, ``_cpu_grad`` and the
+    optimizer states; ZeRO-Offload's master, states and fp32 gradients (``zero_state``)."""
+    if step.zero is not None:
+        from sim.schedule.zero_state import zero_state
+
+        return zero_state(step).host_bytes
+    if step.fsdp1 is not None and step.fsdp1.offload_params:
+        return (2 + OPTIMIZER_STATES[step.optimizer]) * numel_per_rank(step) * step.master_bytes
+    return 0
+
+
 def ddp_bucket_bytes(step: StepConfig) -> int:
     """DDP's persistent gradient buckets (none under FSDP)."""
-    return 0 if step.sharded else numel_per_rank(step) * step.reduce_bytes
+    return numel_per_rank(step) * step.reduce_bytes if step.ddp else 0
 
 
 def resident_allocs(step: StepConfig) -> list[Alloc]:
     """What is allocated before the step starts: module buffers, parameters and optimizer states
-    (per unit under FSDP, as each ``fully_shard`` group owns its shards), DDP's buckets."""
+    (per unit under FSDP, as each ``fully_shard`` group or ``FlatParameter`` owns its shards), DDP's buckets."""
     b, states = step.master_bytes, OPTIMIZER_STATES[step.optimizer]
     buffers = Alloc(label="buffers", category=MemoryCategory.PARAMS, bytes=step.buffer_bytes)
-    if not step.sharded:
+    if step.zero is not None:
+        from sim.schedule.zero_state import zero_resident_allocs
+
+        return [buffers, *zero_resident_allocs(step)]
+    if step.ddp:
         numel = numel_per_rank(step)
         return [
             Alloc(label="params", category=MemoryCategory.PARAMS, bytes=numel * b),
@@ -68,6 +97,8 @@ def resident_allocs(step: StepConfig) -> list[Alloc]:
             Alloc(label="ddp_buckets", category=MemoryCategory.COMM_BUFFERS, bytes=ddp_bucket_bytes(step)),
         ]
     allocs = [buffers]
+    if step.fsdp1 is not None and step.fsdp1.offload_params:
+        return allocs  # CPUOffload: the shards and the optimizer states live in pinned host memory
     for unit in step.units:
         numel = unit_numel_per_rank(step, unit)
         allocs.append(Alloc(label=f"param:{unit.name}", category=MemoryCategory.PARAMS, bytes=numel * b))
@@ -78,11 +109,16 @@ def resident_allocs(step: StepConfig) -> list[Alloc]:
     return allocs
 
 
-def deepspeed_convention_bytes(n_params: int, strategy: Strategy, shard: int) -> int:
+def deepspeed_convention_bytes(
+    n_params: int, strategy: Strategy, shard: int, zero_stage: int | None = None
+) -> int:
     """The ZeRO paper's count (Rajbhandari et al. 2020, Sec. 3.1): 2Φ fp16 params + 2Φ grads +
-    12Φ fp32 master/momentum/variance, partitioned by stage. Not what FSDP2 allocates (see README)."""
+    12Φ fp32 master/momentum/variance, partitioned by stage (P_os: 4Φ + 12Φ/N; P_os+g: 2Φ + 14Φ/N;
+    P_os+g+p: 16Φ/N). Not what FSDP2 allocates (see README)."""
+    if zero_stage == 1:
+        return 4 * n_params + 12 * n_params // shard
     if strategy is Strategy.NO_SHARD:
         return 16 * n_params
-    if strategy is Strategy.SHARD_GRAD_OP:
+    if strategy in (Strategy.SHARD_GRAD_OP, Strategy.HYBRID_SHARD_ZERO2) or zero_stage == 2:
         return 2 * n_params + 14 * n_params // shard
     return 16 * n_params // shard

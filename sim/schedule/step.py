@@ -7,9 +7,12 @@ from dataclasses import dataclass
 from sim.core.topology import GroupKind
 from sim.costs.collectives import CollectiveCost
 from sim.costs.compute import ComputeCosts, SegmentFigures
+from sim.costs.offload import HostCosts
 from sim.workload.checkpointing import CheckpointPlan
-from sim.workload.options import OptimizerName, Strategy
-from sim.workload.units import Segment, WrapUnit
+from sim.workload.options import Fsdp1Options, OptimizerName, Strategy, ZeroOptions
+from sim.workload.units import Segment, WrapUnit, flat_param_numel, flat_param_padded_numel
+
+FLAT_PARAM_ALIGNMENT_BYTES = 16  # FSDP1 ``_get_aligned_numel``: TorchInductor's alignment
 
 # (collective, nccl-tests size in bytes, group kind, dtype) -> its cost
 CollectiveCostFn = Callable[[str, int, GroupKind, str], CollectiveCost]
@@ -39,12 +42,51 @@ class StepConfig:
     ddp_bucket_bytes: int
     costs: ComputeCosts
     collective: CollectiveCostFn
+    world_size: int = 1
+    fsdp1: Fsdp1Options | None = None  # set: FSDP1 (FullyShardedDataParallel) instead of FSDP2/DDP
+    zero: ZeroOptions | None = None  # set: DeepSpeed ZeRO (its units are every module with parameters)
+    host: HostCosts | None = None  # offload's transfers and the optimizer on the host
+    grad_scaler: bool = False  # ShardedGradScaler (GradScaler under DDP) around the step
+
+    @property
+    def host_costs(self) -> HostCosts:
+        assert self.host is not None, "build_step sets the host costs"
+        return self.host
 
     @property
     def sharded(self) -> bool:
-        """FSDP (any sharding strategy) rather than DDP."""
+        """A sharding strategy (parameters split over the shard group) rather than NO_SHARD."""
         return self.strategy is not Strategy.NO_SHARD
 
     @property
+    def ddp(self) -> bool:
+        """DistributedDataParallel: FSDP2's NO_SHARD (FSDP1's NO_SHARD keeps its flat parameters)."""
+        return not self.sharded and self.fsdp1 is None and self.zero is None
+
+    @property
+    def system(self) -> str:
+        """Which system the step is: ``FSDP2``, ``FSDP1``, ``DDP`` or ``DeepSpeed ZeRO-<stage>``."""
+        if self.zero is not None:
+            return f"DeepSpeed ZeRO-{self.zero.stage}"
+        if self.fsdp1 is not None:
+            return "FSDP1"
+        return "DDP" if self.ddp else "FSDP2"
+
+    @property
     def hybrid(self) -> bool:
-        return self.strategy is Strategy.HYBRID_SHARD
+        return self.strategy.is_hybrid
+
+    def flat_numel(self, unit: WrapUnit) -> int:
+        """FSDP1: the unit's ``FlatParameter`` before world-size padding (its unpadded unsharded size)."""
+        assert self.fsdp1 is not None
+        pad_to = self.shard_size if self.sharded else self.world_size
+        aligned = FLAT_PARAM_ALIGNMENT_BYTES // self.param_bytes if self.fsdp1.use_orig_params else 0
+        return flat_param_numel(unit.params, aligned_numel=aligned, pad_to=pad_to)
+
+    def padded_numel(self, unit: WrapUnit) -> int:
+        """The unit's unsharded parameter elements as the system pads them: FSDP2 pads each
+        parameter's dim 0 to the shard group, FSDP1 its flat parameter; DDP does not pad."""
+        if self.fsdp1 is not None:
+            flat = self.flat_numel(unit)
+            return flat_param_padded_numel(flat, self.shard_size) if self.sharded else flat
+        return unit.padded_numel(self.shard_size) if self.sharded else unit.numel

@@ -4,6 +4,7 @@ They live here, below the scenario parser, so that the schedules, the tuner and 
 name a strategy without importing the TOML loader.
 """
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -14,6 +15,19 @@ class Strategy(StrEnum):
     SHARD_GRAD_OP = "SHARD_GRAD_OP"  # ZeRO-2
     FULL_SHARD = "FULL_SHARD"  # ZeRO-3
     HYBRID_SHARD = "HYBRID_SHARD"  # ZeRO-3 within a shard group, replicated across groups
+    # FSDP1's ``ShardingStrategy._HYBRID_SHARD_ZERO2``: ZeRO-2 within a shard group, replicated across
+    # groups (FSDP2: the HSDP mesh with ``reshard_after_forward=False``)
+    HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Sharded within a group and replicated across groups (an all-reduce after the reduce-scatter)."""
+        return self in (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """FSDP1's ``RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES``: FULL_SHARD and HYBRID_SHARD."""
+        return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD)
 
 
 class WrapPolicy(StrEnum):
@@ -55,3 +69,52 @@ OPTIMIZER_STATES: dict[OptimizerName, int] = {
     OptimizerName.SGD: 1,
     OptimizerName.NONE: 0,
 }
+
+
+class BackwardPrefetch(StrEnum):
+    """FSDP1's ``BackwardPrefetch`` (``torch.distributed.fsdp.BackwardPrefetch``), and ``NONE`` for
+    ``backward_prefetch=None``: when the next unit's all-gather is issued in backward."""
+
+    BACKWARD_PRE = "BACKWARD_PRE"  # in the current unit's pre-backward hook, before its gradient compute
+    BACKWARD_POST = "BACKWARD_POST"  # in its post-backward hook, after its gradient compute
+    NONE = "NONE"  # in the next unit's own pre-backward hook
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fsdp1Options:
+    """The ``FullyShardedDataParallel`` arguments a schedule needs beyond the sharding strategy and
+    the mixed-precision dtypes (defaults as torch 2.13 sets them)."""
+
+    backward_prefetch: BackwardPrefetch = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    use_orig_params: bool = False
+    offload_params: bool = False  # CPUOffload(offload_params=True)
+
+
+class OffloadDevice(StrEnum):
+    """DeepSpeed's ``offload_optimizer.device`` / ``offload_param.device``."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroOptions:
+    """DeepSpeed ZeRO's ``zero_optimization`` fields a schedule needs, as DeepSpeed 0.19.8 names
+    and defaults them (``deepspeed/runtime/zero/config.py``); sizes are elements."""
+
+    stage: int
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000
+    loss_scaling: bool = False  # fp16: dynamic loss scaling (overflow check, unscale)
+    offload_optimizer: OffloadDevice = OffloadDevice.NONE
+    offload_param: OffloadDevice = OffloadDevice.NONE

@@ -24,6 +24,28 @@ def padded_numel(spec: ParamSpec, shard_size: int) -> int:
     return ceil(rows / shard_size) * shard_size * prod(spec.shape[1:])
 
 
+def flat_param_numel(params: Sequence[ParamSpec], *, aligned_numel: int, pad_to: int) -> int:
+    """Numel of FSDP1's ``FlatParameter`` of ``params`` (registration order), before sharding:
+    with ``use_orig_params=True`` (``aligned_numel`` > 0) each parameter starts at a multiple of
+    ``aligned_numel`` elements (16 B of the compute dtype) and the whole is padded to a multiple of
+    ``pad_to`` (the process group's size); without it the parameters are concatenated as they are
+    (``FlatParamHandle._init_flat_param_and_metadata``, torch 2.13 ``fsdp/_flat_param.py``)."""
+    total = 0
+    for spec in params:
+        if aligned_numel > 0 and total % aligned_numel:
+            total += aligned_numel - total % aligned_numel
+        total += spec.numel
+    if aligned_numel > 0 and total % pad_to:
+        total += pad_to - total % pad_to
+    return total
+
+
+def flat_param_padded_numel(unsharded_numel: int, shard_size: int) -> int:
+    """FSDP1's padded unsharded size: the flat parameter ``chunk``-ed into ``shard_size`` equal
+    shards, each padded to the first's (``FlatParamHandle._get_shard``): ceil(N / W) · W."""
+    return ceil(unsharded_numel / shard_size) * shard_size
+
+
 @cache
 def _padded_total(params: tuple[ParamSpec, ...], shard_size: int) -> int:
     return sum(padded_numel(p, shard_size) for p in params)

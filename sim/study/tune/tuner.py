@@ -76,6 +76,11 @@ def tune(
     """Search the scenario at ``path`` (with ``--set`` overrides); the whole answer, deterministic."""
     check_settings(margin, top)
     scenario = load_scenario(path, user_sets)
+    if scenario.parallel.fsdp_version != 2 or scenario.deepspeed.enabled:
+        raise UserError(
+            f"{path}: fsdpsim tune searches FSDP2's space (its bounds are FSDP2's); compare FSDP1 and "
+            "DeepSpeed with fsdpsim sweep (e.g. scenarios/sweep-systems-7b.toml)"
+        )
     profile = load_profile(scenario.cluster.profile, where=f"{scenario.source}: cluster.profile")
     g = global_batch(scenario) if global_sequences is None else global_sequences
     limit = profile.device.memory_bytes * (1.0 - margin)

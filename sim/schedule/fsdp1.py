@@ -1,0 +1,478 @@
+"""The FSDP1 schedule of one training step (``torch.distributed.fsdp.FullyShardedDataParallel``).
+
+It replays the host order of torch 2.13's ``fsdp/_runtime_utils.py`` over one ``FlatParameter``
+per wrapped module (``fsdp/_flat_param.py``):
+- ``_unshard``: ``pre_unshard`` (mixed precision: the fp32 shard cast into ``_mp_shard`` on the
+  pre-unshard stream), the rate limiter (``limit_all_gathers``: before a third all-gather the host
+  waits for the free event of the unit resharded two frees ago, ``_limiter_utils._FreeEventQueue``),
+  then the all-gather straight into the padded unsharded flat parameter on the unshard stream;
+  the ``_mp_shard`` is freed after it (``post_unshard``). No copy-out: the parameters are views.
+- pre-forward: unshard unless prefetched, the compute stream waits for the unshard stream, then
+  ``forward_prefetch`` unshards the next unit of the pre-forward order (the root first).
+- post-forward: FULL_SHARD and HYBRID_SHARD free the unsharded flat parameter (not the root);
+  the free is recorded as an event for the rate limiter.
+- pre-backward (a hook on the unit's outputs; the root's fires first): unshard unless
+  prefetched, wait, and with ``BACKWARD_PRE`` prefetch the unit before it in post-forward order.
+- post-backward (on the flat parameter's ``AccumulateGrad``, once autograd's split backward has
+  concatenated the views' gradients into one flat gradient): reshard (every sharded strategy
+  frees in backward), ``BACKWARD_POST`` prefetch, then on the post-backward stream the cast to
+  ``reduce_dtype``, the pad to the world-size multiple, the reduce-scatter into a new shard (HSDP:
+  then an all-reduce across replicas), the cast back to fp32 and the accumulation into
+  ``_saved_grad_shard``. NO_SHARD all-reduces the whole flat gradient instead. The unsharded
+  gradients live until the reduction has consumed them (``record_stream``).
+- the root's final callback makes the compute stream wait for the post-backward and all-reduce
+  streams.
+Collectives of one process group run one at a time in issue order (one communicator).
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from sim.core.events import MemoryCategory as Mem
+from sim.core.events import OpKind, Stream
+from sim.core.program import Alloc, Program
+from sim.core.topology import GroupKind
+from sim.schedule.base import Activations, ScheduleBuilder, UnitLayout
+from sim.schedule.model_state import numel_per_rank
+from sim.schedule.step import StepConfig
+from sim.workload.options import BackwardPrefetch, Fsdp1Options
+from sim.workload.units import ROOT
+
+MAX_INFLIGHT_ALL_GATHERS = 2  # _FreeEventQueue._max_num_inflight_all_gathers ("empirically chosen")
+
+
+@dataclass(kw_only=True)
+class Microbatch(Activations):
+    """The handles' flags and buffers between hooks, for one micro-batch."""
+
+    index: int
+    unsharded: dict[str, str] = field(default_factory=dict)  # unit -> its unsharded flat parameter
+    prefetched: set[str] = field(default_factory=set)  # FlatParamHandle._prefetched
+    needs_pre_forward: set[str] = field(default_factory=set)  # _needs_pre_forward_unshard
+    needs_pre_backward: set[str] = field(default_factory=set)  # _needs_pre_backward_unshard
+    view_grads: dict[str, list[str]] = field(default_factory=dict)  # the views' gradients, per unit
+    post_forward_order: list[str] = field(default_factory=list)
+    pre_backward_done: set[str] = field(default_factory=set)
+
+
+class Fsdp1ScheduleBuilder(ScheduleBuilder):
+    def __init__(self, cfg: StepConfig):
+        super().__init__(cfg)
+        assert cfg.fsdp1 is not None
+        self.opts: Fsdp1Options = cfg.fsdp1
+        self.layout = UnitLayout.of(cfg)
+        self.flat = {u.name: cfg.flat_numel(u) for u in cfg.units}
+        # FSDP1 clamps any strategy to NO_SHARD on a one-rank process group (``_init_core_state``):
+        # HSDP with one-rank shard groups then all-reduces within that group and never across replicas
+        self.sharded = cfg.sharded and cfg.shard_size > 1
+        self.reduce_group = GroupKind.SHARD if cfg.sharded else GroupKind.REPLICATE
+        self.w = cfg.shard_size if self.sharded else 1
+        self.mixed = cfg.param_bytes != cfg.master_bytes
+        self.free_events: deque[int] = deque()  # the rate limiter's queue of free events
+        self.last_unshard: int | None = None  # the unshard stream's last op: what compute waits for
+        self.unshard_after: int | None = None  # the unshard streams wait for this compute op
+        self.last_compute: int | None = None
+        self.reductions: list[int] = []
+        self.offloaded_grads: list[str] = []  # CPUOffload: device _saved_grad_shard, freed after backward
+        self.mb = Microbatch(index=0)
+
+    def build(self) -> Program:
+        units = [u.name for u in self.cfg.units]
+        for index in range(self.cfg.grad_accum):
+            self.mb = Microbatch(index=index, view_grads={u: [] for u in units})
+            if self.opts.forward_prefetch:
+                self.mb.needs_pre_forward = set(units)
+            self._forward()
+            self._backward()
+        if self.opts.offload_params:
+            self._host_optimizer_step()
+        else:
+            self.optimizer_step()
+        return self.program
+
+    def _host_optimizer_step(self) -> None:
+        """CPUOffload: ``prepare_gradient_for_optim`` drops the device gradients (``.grad`` is the
+        pinned ``_cpu_grad``) and the optimizer steps the CPU shards (``torch.optim.AdamW``)."""
+        cfg = self.cfg
+        last = self.compute(OpKind.COPY, "prepare_gradient_for_optim", ROOT, cfg.grad_accum - 1, 0.0)
+        self.program.add_frees(last, *self.offloaded_grads)
+        self.host_cursor = self.program.emit(
+            stream=Stream.HOST,
+            kind=OpKind.OPTIMIZER,
+            name="optimizer step (CPU)",
+            unit=ROOT,
+            microbatch=cfg.grad_accum - 1,
+            duration_s=cfg.host_costs.cpu_adamw_s(numel_per_rank(cfg))
+            if cfg.optimizer.value != "none"
+            else 0.0,
+            deps=self.issued((last,)),
+        )
+
+    def _compute(self, op: int) -> int:
+        self.last_compute = op
+        return op
+
+    # -- unshard and reshard -------------------------------------------------------------
+
+    def _unshard(self, unit: str) -> None:
+        """``_unshard``: pre-unshard (the cast), the rate limiter, the all-gather (sharded
+        strategies, unless already unsharded) or, for NO_SHARD, the cast as the unsharded copy."""
+        cfg, mb = self.cfg, self.mb
+        already = unit in mb.unsharded
+        if self.opts.limit_all_gathers and len(self.free_events) >= MAX_INFLIGHT_ALL_GATHERS:
+            self._host_wait(self.free_events.popleft())
+        if already:
+            return
+        deps: tuple[int, ...] = (self.unshard_after,) if self.unshard_after is not None else ()
+        shard = self.layout.padded[unit] // self.w
+        if not self.sharded:
+            if self.mixed:
+                self._cast_unsharded(unit, shard, deps)
+            return
+        allocs, frees, cast_s, deps = self._pre_unshard(unit, shard, deps)
+        padded = self.layout.padded[unit]
+        label = self.label("unsharded_flat_param", unit, mb.index)
+        allocs.append(Alloc(label=label, category=Mem.PARAMS, bytes=padded * cfg.param_bytes))
+        self.last_unshard = self.collective(
+            OpKind.ALL_GATHER,
+            Stream.ALL_GATHER,
+            unit,
+            padded * cfg.param_bytes,
+            GroupKind.SHARD,
+            cfg.param_dtype,
+            mb=mb.index,
+            deps=deps,
+            allocs=tuple(allocs),
+            frees=tuple(frees),
+            extra_s=cast_s,
+        )
+        mb.unsharded[unit] = label
+
+    def _pre_unshard(
+        self, unit: str, shard: int, deps: tuple[int, ...]
+    ) -> tuple[list[Alloc], list[str], float, tuple[int, ...]]:
+        """``pre_unshard`` of a sharded strategy: CPUOffload's copy of the fp32 shard to the device,
+        mixed precision's cast into ``_mp_shard`` (the all-gather input, freed in ``post_unshard``)."""
+        cfg, mb = self.cfg, self.mb
+        allocs: list[Alloc] = []
+        frees: list[str] = []
+        cast_s = 0.0
+        if self.opts.offload_params:
+            copy = self.label("offloaded_shard_on_device", unit, mb.index)
+            deps = (self._h2d(unit, shard * cfg.master_bytes, copy, deps),)
+            frees.append(copy)
+        if self.mixed:
+            cast = self.label("mp_shard", unit, mb.index)
+            allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=shard * cfg.param_bytes))
+            frees.append(cast)
+            cast_s = cfg.costs.copy_s(shard * max(cfg.param_bytes, cfg.master_bytes))
+        return allocs, frees, cast_s, deps
+
+    def _cast_unsharded(self, unit: str, numel: int, deps: tuple[int, ...]) -> None:
+        """NO_SHARD with mixed precision: the low-precision flat parameter, kept until the reshard."""
+        cfg, mb = self.cfg, self.mb
+        label = self.label("low_precision_params", unit, mb.index)
+        self.last_unshard = self.program.emit(
+            stream=Stream.ALL_GATHER,
+            kind=OpKind.COPY,
+            name=f"cast {unit}",
+            unit=unit,
+            microbatch=mb.index,
+            duration_s=cfg.costs.copy_s(numel * cfg.master_bytes),
+            deps=self.issued(deps),
+            allocs=(Alloc(label=label, category=Mem.PARAMS, bytes=numel * cfg.param_bytes),),
+        )
+        mb.unsharded[unit] = label
+
+    def _h2d(self, unit: str, nbytes: int, label: str, deps: tuple[int, ...]) -> int:
+        """A host-to-device copy over PCIe into a new device buffer ``label``."""
+        alloc = Alloc(label=label, category=Mem.PARAMS, bytes=nbytes)
+        h2d_s = self.cfg.host_costs.h2d_s(nbytes)
+        return self.transfer(
+            Stream.H2D, f"h2d {unit}", unit, self.mb.index, nbytes, h2d_s, deps=deps, allocs=(alloc,)
+        )
+
+    def _d2h(self, unit: str, nbytes: int, after: int) -> int:
+        """``_offload_grad``: the sharded gradient copied out to its pinned ``_cpu_grad``."""
+        d2h_s = self.cfg.host_costs.d2h_s(nbytes)
+        op = self.transfer(
+            Stream.D2H, f"d2h gradient {unit}", unit, self.mb.index, nbytes, d2h_s, deps=(after,)
+        )
+        self.reductions.append(op)  # the final callback synchronises on it
+        return op
+
+    def _host_wait(self, op: int) -> None:
+        """The host blocks until ``op`` has run (``event.synchronize()``)."""
+        self.host_cursor = self.program.emit(
+            stream=Stream.HOST,
+            kind=OpKind.HOST,
+            name="fsdp1 rate limiter",
+            unit=ROOT,
+            microbatch=self.mb.index,
+            duration_s=0.0,
+            deps=self.issued((op,)),
+        )
+
+    def _wait_for_unshard(self) -> None:
+        """``current_stream().wait_stream(unshard_stream)``: the next compute op waits."""
+        if self.last_unshard is not None:
+            self.compute_waits.append(self.last_unshard)
+
+    def _reshard(self, unit: str, *, free: bool, after: int) -> None:
+        """``_reshard``: free the unsharded flat parameter once ``after`` (the last compute op) is
+        done, and queue that free for the rate limiter; NO_SHARD frees its low-precision copy."""
+        mb = self.mb
+        mb.prefetched.discard(unit)
+        low_precision_no_shard = not self.sharded and self.mixed
+        if unit not in mb.unsharded or not (free or low_precision_no_shard):
+            return
+        self.program.add_frees(after, mb.unsharded.pop(unit))
+        if free and self.opts.limit_all_gathers:
+            self.free_events.append(after)
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def _pre_forward(self, unit: str) -> None:
+        mb, costs = self.mb, self.cfg.costs
+        self.host(f"fsdp1 pre-forward {unit}", unit, mb.index, costs.fsdp_forward_host_s)
+        if unit not in mb.prefetched:
+            self._unshard(unit)
+        mb.needs_pre_forward.discard(unit)
+        self._wait_for_unshard()
+        if costs.fsdp_forward_overhead_s > 0:  # the host is the device: FSDP1's hooks take its time
+            self._compute(
+                self.compute(
+                    OpKind.HOST, f"fsdp1 pre-forward {unit}", unit, mb.index, costs.fsdp_forward_overhead_s
+                )
+            )
+        order = [ROOT, *self.layout.forward_units]
+        index = order.index(unit) + 1
+        if self.opts.forward_prefetch and index < len(order):
+            target = order[index]
+            if target in mb.needs_pre_forward and target not in mb.prefetched:
+                self._unshard(target)
+                mb.prefetched.add(target)
+
+    def _post_forward(self, unit: str, after: int) -> None:
+        mb = self.mb
+        mb.post_forward_order.append(unit)
+        free = unit != ROOT and self.sharded and self.cfg.strategy.reshards_after_forward
+        self._reshard(unit, free=free, after=after)
+        mb.needs_pre_backward.add(unit)
+
+    def _forward(self) -> None:
+        cfg, layout = self.cfg, self.layout
+        self.unshard_after = self.last_compute  # _root_pre_forward: _wait_for_computation_stream
+        self._pre_forward(ROOT)
+        op = -1
+        for i, seg in enumerate(cfg.segments):
+            if seg.unit != ROOT and i == layout.first_seg[seg.unit]:
+                self._pre_forward(seg.unit)
+            op = self._compute(self.forward_segment(i, self.mb.index, self.mb))
+            if seg.unit != ROOT and i == layout.last_seg[seg.unit]:
+                self._post_forward(seg.unit, op)
+        self._post_forward(ROOT, op)
+        self.unshard_after = None
+
+    # -- backward ----------------------------------------------------------------------------
+
+    def _pre_backward(self, unit: str) -> None:
+        mb = self.mb
+        if unit in mb.pre_backward_done:
+            return
+        mb.pre_backward_done.add(unit)
+        self.host(f"fsdp1 pre-backward {unit}", unit, mb.index, self.cfg.costs.fsdp_backward_host_s)
+        if unit in mb.needs_pre_backward:
+            if unit not in mb.prefetched:
+                self._unshard(unit)
+            self._wait_for_unshard()
+        mb.needs_pre_backward.discard(unit)
+        if self.opts.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch_backward(unit)
+
+    def _prefetch_backward(self, unit: str) -> None:
+        """Unshard the unit that ran just before ``unit`` in forward (post-forward order)."""
+        mb = self.mb
+        index = mb.post_forward_order.index(unit)
+        if index == 0:
+            return
+        target = mb.post_forward_order[index - 1]
+        if target in mb.needs_pre_backward and target not in mb.prefetched:
+            self._unshard(target)
+            mb.prefetched.add(target)
+
+    def _backward(self) -> None:
+        cfg, mb, layout = self.cfg, self.mb, self.layout
+        self._pre_backward(ROOT)
+        recomputed: set[int] = set()
+        for i in reversed(range(len(cfg.segments))):
+            seg = cfg.segments[i]
+            if seg.unit != ROOT and i == layout.last_seg[seg.unit]:
+                self._pre_backward(seg.unit)
+            if self.checkpointed(i) and seg.block not in recomputed:
+                self.recompute_block(seg.block, mb.index, mb)  # type: ignore[arg-type]
+                recomputed.add(seg.block)  # type: ignore[arg-type]
+            grads = self.label("view_grads", seg.unit, mb.index)
+            mb.view_grads[seg.unit].append(grads)
+            grad_bytes = sum(p.numel for p in seg.params) * cfg.param_bytes
+            self._compute(
+                self.backward_segment(
+                    i, mb.index, mb, end_allocs=(Alloc(label=grads, category=Mem.GRADS, bytes=grad_bytes),)
+                )
+            )
+            if i == layout.first_seg[seg.unit]:
+                self._post_backward(seg.unit)
+        self.compute_waits = list(self.reductions)  # the final callback
+
+    def _post_backward(self, unit: str) -> None:
+        """The flat gradient (autograd concatenates the views' gradients), the post-backward
+        reshard and prefetch, then the reduction on the post-backward stream."""
+        cfg, mb = self.cfg, self.mb
+        self.host(f"fsdp1 post-backward {unit}", unit, mb.index, cfg.costs.fsdp_backward_host_s)
+        flat_bytes = self.flat[unit] * cfg.param_bytes
+        final = not self.sharded and mb.index == 0 and cfg.param_bytes == cfg.master_bytes
+        flat_grad = self.label("grads" if final else "flat_grad", unit, mb.index)
+        if final:  # NO_SHARD in fp32: the flat gradient is the .grad the optimizer reads
+            self.grad_labels.append(flat_grad)
+        cat = self._compute(
+            self.compute(
+                OpKind.COPY,
+                f"flat gradient {unit}",
+                unit,
+                mb.index,
+                cfg.costs.copy_s(flat_bytes) + cfg.costs.fsdp_backward_overhead_s,
+                allocs=(Alloc(label=flat_grad, category=Mem.GRADS, bytes=flat_bytes),),
+                frees=tuple(mb.view_grads.pop(unit)),
+            )
+        )
+        self._reshard(unit, free=self.sharded, after=cat)
+        if self.opts.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch_backward(unit)
+        if self.sharded:
+            self._reduce_scatter(unit, cat, flat_grad)
+        else:
+            self._all_reduce(unit, cat, None if final else flat_grad)
+
+    def _reduce_inputs(self, unit: str, flat_grad: str) -> tuple[list[Alloc], list[str], float]:
+        """The reduce-scatter's inputs: the cast to ``reduce_dtype`` and the world-size pad, each a
+        new tensor freed with the flat gradient when the reduction is done (``record_stream``)."""
+        cfg, mb = self.cfg, self.mb
+        padded, flat = self.layout.padded[unit], self.flat[unit]
+        allocs: list[Alloc] = []
+        frees, extra_s = [flat_grad], 0.0
+        if cfg.param_bytes != cfg.reduce_bytes:  # flat_param.grad.to(reduce_dtype)
+            cast = self.label("reduce_dtype_grad", unit, mb.index)
+            allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=flat * cfg.reduce_bytes))
+            frees.append(cast)
+            extra_s += cfg.costs.copy_s(flat * max(cfg.param_bytes, cfg.reduce_bytes))
+        if padded > flat:  # F.pad to a multiple of the world size
+            pad = self.label("padded_grad", unit, mb.index)
+            allocs.append(Alloc(label=pad, category=Mem.COMM_BUFFERS, bytes=padded * cfg.reduce_bytes))
+            frees.append(pad)
+            extra_s += cfg.costs.copy_s(padded * cfg.reduce_bytes)
+        return allocs, frees, extra_s
+
+    def _reduce_output(self, unit: str, shard: int) -> tuple[Alloc, tuple[Alloc, ...], float]:
+        """The new shard the reduce-scatter writes, and (first micro-batch, cast dtype) the fp32
+        tensor that becomes ``_saved_grad_shard`` after it."""
+        cfg, mb = self.cfg, self.mb
+        is_saved = mb.index == 0 and cfg.reduce_bytes == cfg.master_bytes  # becomes _saved_grad_shard
+        out = self.label("sharded_grads" if is_saved else "reduce_scatter_output", unit, mb.index)
+        category = Mem.GRADS if is_saved else Mem.COMM_BUFFERS
+        keep = self.offloaded_grads if self.opts.offload_params else self.grad_labels
+        if is_saved:
+            keep.append(out)
+            return Alloc(label=out, category=category, bytes=shard * cfg.reduce_bytes), (), 0.0
+        saved: tuple[Alloc, ...] = ()
+        if mb.index == 0:  # cast back to fp32: the new tensor is _saved_grad_shard
+            label = self.label("sharded_grads", unit, mb.index)
+            keep.append(label)
+            saved = (Alloc(label=label, category=Mem.GRADS, bytes=shard * cfg.master_bytes),)
+        extra_s = cfg.costs.copy_s(shard * cfg.master_bytes) if saved else 0.0
+        return Alloc(label=out, category=category, bytes=shard * cfg.reduce_bytes), saved, extra_s
+
+    def _reduce_scatter(self, unit: str, after: int, flat_grad: str) -> None:
+        """``_reduce_grad``: cast, pad, reduce-scatter (HSDP: all-reduce), cast back, accumulate."""
+        cfg, mb = self.cfg, self.mb
+        padded = self.layout.padded[unit]
+        shard = padded // self.w
+        allocs, frees, extra_s = self._reduce_inputs(unit, flat_grad)
+        out, saved, cast_s = self._reduce_output(unit, shard)
+        extra_s += cast_s
+        output_frees = (out.label,) if out.category is Mem.COMM_BUFFERS else ()
+        rs = self.collective(
+            OpKind.REDUCE_SCATTER,
+            Stream.REDUCE_SCATTER,
+            unit,
+            padded * cfg.reduce_bytes,
+            GroupKind.SHARD,
+            cfg.reduce_dtype,
+            mb=mb.index,
+            deps=(after,),
+            allocs=(*allocs, out),
+            frees=tuple(frees) + (() if cfg.hybrid else output_frees),
+            end_allocs=() if cfg.hybrid else saved,
+            extra_s=0.0 if cfg.hybrid else extra_s,
+        )
+        last = rs
+        if cfg.hybrid:
+            last = self.collective(
+                OpKind.ALL_REDUCE,
+                Stream.ALL_REDUCE,
+                unit,
+                shard * cfg.reduce_bytes,
+                GroupKind.REPLICATE,
+                cfg.reduce_dtype,
+                mb=mb.index,
+                deps=(rs,),
+                frees=output_frees,
+                end_allocs=saved,
+                extra_s=extra_s,
+            )
+        self.reductions.append(last)
+        if self.opts.offload_params:
+            self._d2h(unit, shard * cfg.master_bytes, last)
+
+    def _all_reduce(self, unit: str, after: int, flat_grad: str | None) -> None:
+        """``_reduce_grad_no_shard``: the whole flat gradient all-reduced in ``reduce_dtype`` and
+        cast back to fp32; from the second micro-batch autograd accumulates into ``.grad`` first."""
+        cfg, mb = self.cfg, self.mb
+        flat = self.flat[unit]
+        allocs: list[Alloc] = []
+        frees: list[str] = []
+        saved: tuple[Alloc, ...] = ()
+        if flat_grad is not None:
+            frees.append(flat_grad)
+        if cfg.reduce_bytes != cfg.param_bytes:
+            buffer = self.label("reduce_dtype_grad", unit, mb.index)
+            becomes_grad = mb.index == 0 and cfg.reduce_bytes == cfg.master_bytes
+            category = Mem.GRADS if becomes_grad else Mem.COMM_BUFFERS
+            allocs.append(Alloc(label=buffer, category=category, bytes=flat * cfg.reduce_bytes))
+            if becomes_grad:
+                self.grad_labels.append(buffer)
+            else:
+                frees.append(buffer)
+        if mb.index == 0 and cfg.param_bytes != cfg.master_bytes and cfg.reduce_bytes != cfg.master_bytes:
+            label = self.label("grads", unit, mb.index)
+            self.grad_labels.append(label)
+            saved = (Alloc(label=label, category=Mem.GRADS, bytes=flat * cfg.master_bytes),)
+        self.reductions.append(
+            self.collective(
+                OpKind.ALL_REDUCE,
+                Stream.ALL_REDUCE,
+                unit,
+                flat * cfg.reduce_bytes,
+                self.reduce_group,
+                cfg.reduce_dtype,
+                mb=mb.index,
+                deps=(after,),
+                allocs=tuple(allocs),
+                frees=tuple(frees),
+                end_allocs=saved,
+                extra_s=cfg.costs.copy_s(flat * cfg.reduce_bytes) if allocs or saved else 0.0,
+            )
+        )
+
+
+def build_fsdp1_program(cfg: StepConfig) -> Program:
+    return Fsdp1ScheduleBuilder(cfg).build()

@@ -1,0 +1,385 @@
+"""DeepSpeed ZeRO stage 3 (``DeepSpeedZeroOptimizer_Stage3``, DeepSpeed 0.19.8), as an engine
+``Program``: parameters fetched module by module by the ``PartitionedParameterCoordinator``
+(``deepspeed/runtime/zero/partitioned_param_coordinator.py``), gradients reduce-scattered in
+buckets (``stage3.py``).
+
+- The trace: every module with parameters in the order the step uses it (forward, the
+  recomputation of a checkpointed block, backward). Parameters at or below
+  ``stage3_param_persistence_threshold`` elements are persistent: gathered after every step and
+  never released.
+- ``fetch_sub_module``: one all-gather of the module's parameters that are not available
+  (``all_gather_coalesced``: a single parameter into its own padded buffer; several into one flat
+  buffer of their padded partitions, then copied out into one tensor each), the compute stream
+  waits for it; then, from the trace's parameter queue, a prefetch of up to
+  ``stage3_prefetch_bucket_size`` elements (bounded by ``stage3_max_live_parameters`` less what is
+  available) in one more all-gather.
+- ``release_sub_module`` after the module ran: each non-persistent parameter is freed unless a
+  prefetch already took it for a later use, or a module within ``stage3_max_reuse_distance``
+  elements of parameters ahead in the trace uses it again.
+- Gradients: each one copied into the IPG bucket (``reduce_bucket_size`` elements) on the
+  reduction stream, its own storage dropped; a full bucket is reduce-scattered
+  (``reduce_scatter_coalesced``: every gradient padded to a multiple of N, one reduce-scatter)
+  and added into the rank's gradient partitions. With ``overlap_comm`` (stage 3's default) this
+  runs beside the backward pass; the next bucket's copies wait for the previous reduce-scatter.
+- The step, per ``sub_group_size`` group: the gradient partition cast to fp32, the optimizer,
+  the fp32 partition copied into the training-dtype partition; one all-reduce of the overflow
+  flag and the norm (8 bytes); then one all-gather per persistent parameter (``_post_step``).
+"""
+
+from dataclasses import dataclass, field
+from math import ceil
+
+from sim.core.events import MemoryCategory as Mem
+from sim.core.events import OpKind, Stream
+from sim.core.program import Alloc, Program
+from sim.core.topology import GroupKind
+from sim.schedule.base import Activations, ScheduleBuilder
+from sim.schedule.step import StepConfig
+from sim.schedule.zero3_trace import ModuleCall, SegmentUse, segment_uses
+from sim.schedule.zero_state import partition_numel, persistent, zero_params
+from sim.workload.model import ParamSpec
+from sim.workload.options import OPTIMIZER_STATES
+from sim.workload.units import ROOT
+
+STEP_SCALARS_BYTES = 8  # stage 3's one all-reduce of the overflow flag and the gradient norm
+
+
+@dataclass(kw_only=True)
+class Coordinator:
+    """The ``PartitionedParameterCoordinator``'s state over one micro-batch."""
+
+    queue: list[tuple[str, int]]  # (parameter, trace step) in trace order: __param_queue
+    head: int = 0
+    available: dict[str, str] = field(default_factory=dict)  # parameter -> its gathered tensor
+    inflight: dict[str, int] = field(default_factory=dict)  # parameter -> the all-gather bringing it
+    fetched_for: dict[str, int] = field(default_factory=dict)  # __most_recent_step_id_param_fetched_for
+    n_available: int = 0
+
+
+@dataclass(kw_only=True)
+class Bucket:
+    elements: int = 0  # padded to the partition multiple, as reduce_scatter_coalesced pads
+    copies: list[int] = field(default_factory=list)
+
+
+class Zero3ScheduleBuilder(ScheduleBuilder):
+    def __init__(self, cfg: StepConfig):
+        super().__init__(cfg)
+        assert cfg.zero is not None and cfg.zero.stage == 3
+        self.zero = cfg.zero
+        self.n = cfg.world_size
+        self.uses = segment_uses(cfg)
+        self.calls = [c for u in self.uses for c in u.calls]  # the trace: every fetch_sub_module
+        self.specs = {p.name: p for p in zero_params(cfg)}
+        self.persist = {name for name, p in self.specs.items() if persistent(cfg, p)}
+        self.bucket = Bucket()
+        self.last_reduce: int | None = None
+        self.reductions: list[int] = []
+        self.coord = Coordinator(queue=[])
+        self.acts = Activations()
+
+    def _padded(self, p: ParamSpec) -> int:
+        return partition_numel(p, self.n) * self.n
+
+    def build(self) -> Program:
+        queue = [
+            (p.name, t) for t, c in enumerate(self.calls) for p in sorted(c.params, key=lambda p: p.name)
+        ]
+        for mb in range(self.cfg.grad_accum):
+            self.acts = Activations()
+            self.coord = Coordinator(queue=queue, fetched_for=dict.fromkeys(self.specs, -1))
+            t = 0
+            deferred: list[tuple[int, ModuleCall]] = []  # calls whose module computes in a later use
+            for use in self.uses:
+                called = []
+                for call in use.calls:
+                    self._fetch(t, call, mb, self.cfg.segments[use.segment].unit)
+                    called.append((t, call))
+                    t += 1
+                if not use.compute:
+                    deferred += called
+                    continue
+                op = self._run(use, mb)
+                if use.phase is OpKind.BACKWARD:
+                    called, deferred = deferred + called, []
+                for k, call in called:
+                    self._release(k, call, op)
+            self._reduce_bucket(mb)  # independent_gradient_partition_epilogue
+            self.compute_waits = list(self.reductions)
+        self._step()
+        return self.program
+
+    def _run(self, use: SegmentUse, mb: int) -> int:
+        i = use.segment
+        if use.phase is OpKind.FORWARD:
+            return self.forward_segment(i, mb, self.acts)
+        if use.phase is OpKind.RECOMPUTE:
+            return self._recompute_segment(i, mb)
+        grads = list(self.cfg.segments[i].params)
+        allocs = tuple(
+            Alloc(label=self._grad_label(p, mb), category=Mem.GRADS, bytes=p.numel * self.cfg.param_bytes)
+            for p in grads
+        )
+        op = self.backward_segment(i, mb, self.acts, end_allocs=allocs)
+        for p in grads:
+            self._add_grad(p, mb, op)
+        return op
+
+    def _recompute_segment(self, i: int, mb: int) -> int:
+        seg, fig = self.cfg.segments[i], self.cfg.figures[i]
+        saved = self.label("recomputed_activations", seg.unit, mb)
+        transient = self.label("recompute_temp", seg.unit, mb)
+        self.acts.saved[i] = saved
+        return self.compute(
+            OpKind.RECOMPUTE,
+            seg.name,
+            seg.unit,
+            mb,
+            fig.recompute_s,
+            allocs=(
+                Alloc(label=saved, category=Mem.ACTIVATIONS, bytes=fig.saved_bytes),
+                Alloc(label=transient, category=Mem.OTHER, bytes=fig.forward_transient_bytes),
+            ),
+            frees=(transient,),
+            host_s=fig.forward_host_s,
+        )
+
+    @staticmethod
+    def _grad_label(p: ParamSpec, mb: int) -> str:
+        return f"grad:{p.name}:mb{mb}"
+
+    # -- fetch and release ---------------------------------------------------------------------
+
+    def _all_gather(self, names: list[str], mb: int, unit: str) -> None:
+        """``all_gather_coalesced`` of ``names`` (parameters not available): one collective."""
+        cfg, coord = self.cfg, self.coord
+        if not names:
+            return
+        padded = sum(self._padded(self.specs[n]) for n in names)
+        allocs = []
+        frees: list[str] = []
+        if len(names) == 1:  # gathered into the parameter's own padded buffer
+            label = self.label(f"gathered {names[0]}", unit, mb)
+            allocs.append(Alloc(label=label, category=Mem.PARAMS, bytes=padded * cfg.param_bytes))
+            coord.available[names[0]] = label
+        else:  # one flat buffer, then each parameter copied out of it when waited for
+            flat = self.label("all_gather_flat", unit, mb)
+            allocs.append(Alloc(label=flat, category=Mem.COMM_BUFFERS, bytes=padded * cfg.param_bytes))
+            frees.append(flat)
+            for n in names:
+                label = self.label(f"gathered {n}", unit, mb)
+                allocs.append(
+                    Alloc(label=label, category=Mem.PARAMS, bytes=self.specs[n].numel * cfg.param_bytes)
+                )
+                coord.available[n] = label
+        deps = self._bring_in_partitions(padded // self.n * cfg.param_bytes, mb, unit)
+        op = self.collective(
+            OpKind.ALL_GATHER,
+            Stream.ALL_GATHER,
+            unit,
+            padded * cfg.param_bytes,
+            GroupKind.SHARD,
+            cfg.param_dtype,
+            mb=mb,
+            deps=deps,
+            allocs=tuple(allocs),
+            frees=tuple(frees),
+            extra_s=cfg.costs.copy_s(padded * cfg.param_bytes) if len(names) > 1 else 0.0,
+        )
+        for n in names:
+            coord.inflight[n] = op
+            coord.n_available += self.specs[n].numel
+
+    def _bring_in_partitions(self, nbytes: int, mb: int, unit: str) -> tuple[int, ...]:
+        """``offload_param``: the partitions come from pinned host memory (``ds_tensor.to(device)``
+        in ``all_gather_coalesced``), read from NVMe first under ZeRO-Infinity."""
+        device = self.zero.offload_param.value
+        if device == "none":
+            return ()
+        host = self.cfg.host_costs
+        deps: tuple[int, ...] = ()
+        if device == "nvme":
+            deps = (
+                self.transfer(Stream.NVME, f"nvme read {unit}", unit, mb, nbytes, host.nvme_read_s(nbytes)),
+            )
+        return (
+            self.transfer(
+                Stream.H2D, f"h2d partitions {unit}", unit, mb, nbytes, host.h2d_s(nbytes), deps=deps
+            ),
+        )
+
+    def _fetch(self, k: int, call: ModuleCall, mb: int, unit: str) -> None:
+        coord = self.coord
+        needed = [p.name for p in sorted(call.params, key=lambda p: p.name)]
+        self._all_gather([n for n in needed if n not in coord.available and n not in self.persist], mb, unit)
+        self.compute_waits += [coord.inflight.pop(n) for n in needed if n in coord.inflight]
+        # pop this module's own entries off the queue, then prefetch what follows
+        own = {n for n in needed if coord.fetched_for[n] < k}
+        while own and coord.head < len(coord.queue):
+            name, step = coord.queue[coord.head]
+            coord.head += 1
+            coord.fetched_for[name] = step
+            own.discard(name)
+        budget = min(self.zero.max_live_parameters - coord.n_available, self.zero.prefetch_bucket_size)
+        chosen: list[str] = []
+        numel = 0
+        while coord.head < len(coord.queue) and numel < budget:
+            name, step = coord.queue[coord.head]
+            coord.head += 1
+            coord.fetched_for[name] = max(coord.fetched_for[name], step)
+            if name not in coord.available and name not in self.persist and name not in chosen:
+                chosen.append(name)
+                numel += self.specs[name].numel
+        self._all_gather(chosen, mb, unit)
+
+    def _release(self, k: int, call: ModuleCall, after: int) -> None:
+        """``release_sub_module`` of call ``k`` (DeepSpeed's step id is then k + 1)."""
+        coord = self.coord
+        keep = {p.name for p in call.params if p.name in self.persist or coord.fetched_for[p.name] > k + 1}
+        traversed = 0
+        for later in self.calls[k + 1 :]:
+            if traversed >= self.zero.max_reuse_distance:
+                break
+            for p in later.params:
+                keep.add(p.name)
+                traversed += p.numel
+        for p in call.params:
+            if p.name not in keep and p.name in coord.available:
+                self.program.add_frees(after, coord.available.pop(p.name))
+                coord.n_available -= p.numel
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    def _add_grad(self, p: ParamSpec, mb: int, after: int) -> None:
+        """``__add_grad_to_ipg_bucket`` (reduce first if it would overflow)."""
+        cfg = self.cfg
+        if self.bucket.elements + self._padded(p) > self.zero.reduce_bucket_size:
+            self._reduce_bucket(mb)
+        deps = (after,) if self.last_reduce is None else (after, self.last_reduce)
+        copy = self.program.emit(
+            stream=Stream.REDUCE_SCATTER if self.zero.overlap_comm else Stream.COMPUTE,
+            kind=OpKind.COPY,
+            name=f"ipg bucket copy {p.name}",
+            unit=ROOT,
+            microbatch=mb,
+            duration_s=cfg.costs.copy_s(p.numel * cfg.param_bytes),
+            deps=self.issued(deps),
+            frees=(self._grad_label(p, mb),),
+        )
+        self.bucket.copies.append(copy)
+        self.bucket.elements += self._padded(p)
+
+    def _reduce_bucket(self, mb: int) -> None:
+        """``__reduce_and_partition_ipg_grads``: pad and interleave, reduce-scatter, add the
+        partitions into the gradient partitions."""
+        cfg, bucket = self.cfg, self.bucket
+        if bucket.elements == 0:
+            return
+        flat = self.label("reduce_scatter_flat", ROOT, mb)
+        rs = self.collective(
+            OpKind.REDUCE_SCATTER,
+            Stream.REDUCE_SCATTER,
+            ROOT,
+            bucket.elements * cfg.reduce_bytes,
+            GroupKind.SHARD,
+            cfg.reduce_dtype,
+            mb=mb,
+            deps=tuple(bucket.copies),
+            allocs=(Alloc(label=flat, category=Mem.COMM_BUFFERS, bytes=bucket.elements * cfg.reduce_bytes),),
+            frees=(flat,),
+            extra_s=cfg.costs.copy_s(bucket.elements * cfg.reduce_bytes) * (1 + 1 / self.n),
+            name=f"reduce_scatter ipg bucket ({bucket.elements:,} elements)",
+        )
+        self.last_reduce = rs
+        self.reductions.append(rs)
+        if self.zero.offload_optimizer.value != "none":  # the fp32 gradient partition lives on the host
+            nbytes = bucket.elements // self.n * cfg.master_bytes
+            d2h_s = cfg.host_costs.d2h_s(nbytes)
+            self.reductions.append(
+                self.transfer(Stream.D2H, "d2h gradient partition", ROOT, mb, nbytes, d2h_s, deps=(rs,))
+            )
+        if not self.zero.overlap_comm:
+            self.compute_waits.append(rs)
+        self.bucket = Bucket()
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        cfg, mb = self.cfg, self.cfg.grad_accum - 1
+        part = sum(partition_numel(p, self.n) for p in self.specs.values())
+        scalars = self.collective(
+            OpKind.ALL_REDUCE,
+            Stream.ALL_REDUCE,
+            ROOT,
+            STEP_SCALARS_BYTES,
+            GroupKind.SHARD,
+            "fp32",
+            mb=mb,
+            deps=tuple(self.compute_waits),
+            name="all_reduce overflow flag and gradient norm",
+        )
+        self.compute_waits = [scalars]
+        groups = max(1, ceil(part / self.zero.sub_group_size))
+        for g in range(groups):
+            numel = min(self.zero.sub_group_size, part - g * self.zero.sub_group_size)
+            if self.zero.offload_optimizer.value != "none":
+                self._offloaded_sub_group(g, numel, mb)
+                continue
+            label = f"fp32_grad_partition:{g}"
+            self.compute(
+                OpKind.OPTIMIZER,
+                f"optimizer step (sub-group {g})",
+                ROOT,
+                mb,
+                cfg.costs.copy_s(numel * (cfg.param_bytes + 2 * cfg.master_bytes))
+                + cfg.costs.optimizer_s(numel),
+                allocs=(Alloc(label=label, category=Mem.GRADS, bytes=numel * cfg.master_bytes),),
+                frees=(label,),
+            )
+        self._gather_persistent(mb)
+
+    def _offloaded_sub_group(self, g: int, numel: int, mb: int) -> None:
+        """One sub-group stepped on the host (ZeRO-Offload / ZeRO-Infinity): under NVMe its fp32
+        master and states (12 B per element) are swapped in, stepped by DeepSpeed's CPU Adam and
+        swapped out, one after another; then its training-dtype partition goes back to the device
+        (or, with ``offload_param``, stays on the host or goes to NVMe)."""
+        cfg, host, nvme = self.cfg, self.cfg.host_costs, self.zero.offload_optimizer.value == "nvme"
+        states = numel * cfg.master_bytes * (OPTIMIZER_STATES[cfg.optimizer] + 1)
+        deps = tuple(self.compute_waits)
+        if nvme:
+            deps = (self._nvme(f"nvme read states {g}", mb, states, host.nvme_read_s(states), deps),)
+        step = self.host_optimizer(
+            f"optimizer step (DeepSpeed CPU Adam, sub-group {g})", mb, host.cpu_adam_s(numel), deps
+        )
+        if nvme:
+            self._nvme(f"nvme write states {g}", mb, states, host.nvme_write_s(states), (step,))
+        nbytes, where = numel * cfg.param_bytes, self.zero.offload_param.value
+        if where == "none":
+            h2d = self.transfer(
+                Stream.H2D, f"h2d partition {g}", ROOT, mb, nbytes, host.h2d_s(nbytes), deps=(step,)
+            )
+            self.compute_waits = [h2d]
+        elif where == "nvme":
+            self._nvme(f"nvme write partition {g}", mb, nbytes, host.nvme_write_s(nbytes), (step,))
+
+    def _nvme(self, name: str, mb: int, nbytes: int, duration_s: float, deps: tuple[int, ...]) -> int:
+        return self.transfer(Stream.NVME, name, ROOT, mb, nbytes, duration_s, deps=deps)
+
+    def _gather_persistent(self, mb: int) -> None:
+        """``_post_step``: each persistent parameter all-gathered on its own."""
+        for name in sorted(self.persist, key=list(self.specs).index):
+            self.collective(
+                OpKind.ALL_GATHER,
+                Stream.ALL_GATHER,
+                ROOT,
+                self._padded(self.specs[name]) * self.cfg.param_bytes,
+                GroupKind.SHARD,
+                self.cfg.param_dtype,
+                mb=mb,
+                deps=(),
+                name=f"all_gather persistent {name}",
+            )
+
+
+def build_zero3_program(cfg: StepConfig) -> Program:
+    return Zero3ScheduleBuilder(cfg).build()
