@@ -12,9 +12,15 @@ from sim.core.engine import run_program
 from sim.outputs.memory_curve import memory_curve
 from sim.outputs.report import build_report
 from sim.scenario.loader import scenario_from_dict
-from sim.schedule.ddp import build_ddp_program
-from sim.schedule.fsdp2 import build_fsdp2_program
-from sim.simulate import SimResult, _group_cost, _variability, build_step, scenario_network, scenario_profile
+from sim.simulate import (
+    SimResult,
+    _group_cost,
+    _variability,
+    build_program,
+    build_step,
+    scenario_network,
+    scenario_profile,
+)
 
 CPU = "profiles/cpu-2x-gloo.json"
 
@@ -36,7 +42,7 @@ def _both(scenario):  # type: ignore[no-untyped-def]
     profile = scenario_profile(scenario)
     network = scenario_network(scenario, profile)
     step, topology, ops = build_step(scenario, profile, network)
-    program = build_fsdp2_program(step) if step.sharded else build_ddp_program(step)
+    program = build_program(step)
     variability = _variability(scenario, network)
     kwargs = {
         "serial": not profile.backend.overlaps_comm_compute,
@@ -67,6 +73,9 @@ CASES = {
         "checkpointing": {"mode": "full"},
     },
     "DDP": {"parallel": {"strategy": "NO_SHARD"}},
+    "FSDP1, FULL_SHARD": {"parallel": {"fsdp_version": 1}},
+    "DeepSpeed ZeRO-3": {"deepspeed": {"enabled": True, "stage": 3}},
+    "DeepSpeed ZeRO-2": {"deepspeed": {"enabled": True, "stage": 2}},
     "two nodes, a slow NIC": {
         "parallel": {"world_size": 16},
         "simulation": {"compute_jitter": 0.02, "slow_nic_node": 1, "slow_nic": 2, "slow_nic_factor": 0.3},
@@ -133,4 +142,4 @@ def test_groups_that_differ_between_ranks_stay_with_simpy() -> None:
     hsdp = _scenario(parallel={"world_size": 16, "strategy": "HYBRID_SHARD", "shard_group_size": 8})
     profile = scenario_profile(hsdp)
     step, topology, _ = build_step(hsdp, profile)
-    assert not vector_engine.supports(build_fsdp2_program(step), topology)
+    assert not vector_engine.supports(build_program(step), topology)
