@@ -114,7 +114,7 @@ class Trainer:
         """``training.sync_every_microbatch = false``: FSDP2's ``set_requires_gradient_sync`` (or
         DDP's ``no_sync``) off on every micro-batch but the last."""
         sync = last or self.scenario.training.sync_every_microbatch
-        if self.wrapped.is_fsdp:
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
             self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
             return contextlib.nullcontext()
         return contextlib.nullcontext() if sync else self.model.no_sync()  # type: ignore[operator]

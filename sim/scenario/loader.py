@@ -286,9 +286,16 @@ def _check_precision(precision: Any, where: str) -> None:
 
 
 def _check_finetune_system(s: Scenario, where: str) -> None:
-    if s.finetune.lora and (s.parallel.fsdp_version == 1 or s.deepspeed.enabled):
+    """LoRA and accumulation without sync are modelled in the FSDP2 and DDP schedules only."""
+    other = s.parallel.fsdp_version == 1 or s.deepspeed.enabled
+    if other and s.finetune.lora:
         raise UserError(
             f"{where}: finetune.method = {s.finetune.method.value!r} is modelled under FSDP2 and DDP only "
+            "(parallel.fsdp_version = 2, deepspeed.enabled = false)"
+        )
+    if other and not s.training.sync_every_microbatch:
+        raise UserError(
+            f"{where}: training.sync_every_microbatch = false is modelled under FSDP2 and DDP only "
             "(parallel.fsdp_version = 2, deepspeed.enabled = false)"
         )
 
