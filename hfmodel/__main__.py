@@ -2,6 +2,7 @@
 measure a config.json's model and write its description (atomically). Exit 2 on a user mistake."""
 
 import argparse
+import json
 import sys
 
 from sim.errors import UserError
@@ -18,13 +19,19 @@ def main(argv: list[str]) -> int:
     d.add_argument("--seq-len", type=int, required=True)
     d.add_argument("--dtype", default="bf16")
     d.add_argument("--out", required=True)
+    d.add_argument("--finetune", default=None, help="JSON: method, rank, alpha, dropout, target_modules, ...")
     args = parser.parse_args(argv)
     try:
         from hfmodel.describe import describe
 
         config = read_json(args.config, "config.json")
         result = describe(
-            config, micro_batch=args.micro_batch, seq_len=args.seq_len, dtype=args.dtype, name=args.name
+            config,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            dtype=args.dtype,
+            name=args.name,
+            finetune=json.loads(args.finetune) if args.finetune else None,
         )
         write_json_atomic(args.out, result)
     except UserError as e:

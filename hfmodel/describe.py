@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hfmodel.build import block_prefixes, build_causal_lm, hf_config
+from hfmodel.finetune import FULL, apply_lora, frozen_params, quantized_params
 from hfmodel.probe import PROBE, ProbeRecorder
 from hfmodel.trace import HostCalls, OpRecord, Owners, SavedBytes, Tracer, finish
 from sim.dtypes import canonical_dtype
@@ -41,11 +42,16 @@ def _layer_signature(layer: nn.Module) -> str:
     return "|".join(parts)
 
 
-def representatives(model: nn.Module, blocks: list[str]) -> list[int]:
-    """For every block, the index of the first block built like it."""
+def representatives(model: nn.Module, blocks: list[str], *, first_alone: bool = False) -> list[int]:
+    """For every block, the index of the first block built like it. ``first_alone``: the first
+    block is measured on its own (under LoRA its input, from the frozen embedding, needs no
+    gradient, so it saves less and runs no input-gradient matmuls)."""
     modules = dict(model.named_modules())
     first: dict[str, int] = {}
-    return [first.setdefault(_layer_signature(modules[p]), i) for i, p in enumerate(blocks)]
+    return [
+        first.setdefault(("first|" if first_alone and i == 0 else "") + _layer_signature(modules[p]), i)
+        for i, p in enumerate(blocks)
+    ]
 
 
 def _moe(cfg: Any) -> dict[str, int] | None:
@@ -81,9 +87,27 @@ def _dims(cfg: Any, n_blocks: int, tied: bool) -> dict[str, Any]:
     }
 
 
-def _meta_facts(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
+def _finetuned(model: nn.Module, finetune: dict[str, Any] | None) -> nn.Module:
+    """The model as the fine-tuning method trains it: PEFT's LoRA applied (QLoRA's base is traced
+    in the compute dtype; its 4-bit storage and dequantization are the simulator's, from
+    bitsandbytes' formulas, since bitsandbytes' fake kernels allocate nothing)."""
+    if not finetune or finetune.get("method", FULL) == FULL:
+        return model
+    return apply_lora(model, finetune, adapters_in_base_dtype=True)
+
+
+def _finetune_facts(
+    model: nn.Module, finetune: dict[str, Any] | None, blocks: list[str]
+) -> dict[str, Any] | None:
+    if not finetune or finetune.get("method", FULL) == FULL:
+        return None
+    quantized = quantized_params(model, blocks) if finetune["method"] == "qlora" else []
+    return {**finetune, "frozen": frozen_params(model), "quantized": quantized}
+
+
+def _meta_facts(cfg: Any, dtype: torch.dtype, finetune: dict[str, Any] | None = None) -> dict[str, Any]:
     with torch.device("meta"):
-        model = build_causal_lm(cfg, dtype)
+        model = _finetuned(build_causal_lm(cfg, dtype), finetune)
     blocks = block_prefixes(model)
     params = [[n, list(p.shape)] for n, p in model.named_parameters()]
     tied = len(params) < len(list(model.named_parameters(remove_duplicate=False)))
@@ -94,13 +118,24 @@ def _meta_facts(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
         "params": params,
         "buffer_bytes": buffer_bytes,
         "tied": tied,
-        "reps": representatives(model, blocks),
+        "reps": representatives(
+            model, blocks, first_alone=finetune is not None and finetune.get("method", FULL) != FULL
+        ),
         "param_modules": {n: n.rpartition(".")[0] for n, _ in model.named_parameters()},
         "direct_3d": sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if p.dim() == 3}),
+        "finetune": _finetune_facts(model, finetune, blocks),
     }
 
 
-def _trace(cfg: Any, dtype: torch.dtype, reps: list[int], blocks: list[str], batch: int, seq: int):
+def _trace(
+    cfg: Any,
+    dtype: torch.dtype,
+    reps: list[int],
+    blocks: list[str],
+    batch: int,
+    seq: int,
+    finetune: dict[str, Any] | None = None,
+):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -115,6 +150,7 @@ def _trace(cfg: Any, dtype: torch.dtype, reps: list[int], blocks: list[str], bat
             for owner in (cfg, getattr(cfg, "text_config", None)):
                 if owner is not None and hasattr(owner, "num_hidden_layers"):
                     owner.num_hidden_layers = len(keep)
+        model = _finetuned(model, finetune)
         paths = {id(m): p for p, m in model.named_modules()}
         params = list(model.parameters())
         owners = Owners(model)
@@ -130,9 +166,29 @@ def _trace(cfg: Any, dtype: torch.dtype, reps: list[int], blocks: list[str], bat
         grads = {tracer_key(p.grad) for p in params if p.grad is not None}
         finish(tracer, grads)
         owners.remove()
+        # whether autograd keeps each call's output anyway (a trainable projection after it saves
+        # it): then the model's ops count it, else the kernel's own saved output must be added
+        counted = [uid is not None and uid in tracer.saved for uid in probe.outputs]
+        extra = [_view_storage_extra(inputs, tracer.saved) for inputs in probe.inputs]
         # the kept blocks' module paths in the trimmed model are their position among ``keep``
         rename = {f"{container_path}.{j}": f"{container_path}.{i}" for j, i in enumerate(keep)}
-    return tracer.ops, probe.calls, rename
+    calls = [
+        {**call.__dict__, "output_counted": c, "extra_saved_bytes": x}
+        for call, c, x in zip(probe.calls, counted, extra, strict=True)
+    ]
+    return tracer.ops, calls, rename
+
+
+def _view_storage_extra(inputs: list[tuple[int | None, int, int]], saved: set[int]) -> int:
+    """What saving q, k, v keeps beyond their own bytes: the rest of each storage they view that
+    nothing else saves (a fused qkv projection's output, of which v is a slice)."""
+    by_storage: dict[int, tuple[int, int]] = {}
+    for uid, storage, view in inputs:
+        if uid is None or uid in saved:
+            continue
+        total, views = by_storage.get(uid, (storage, 0))
+        by_storage[uid] = (total, views + view)
+    return sum(max(0, total - views) for total, views in by_storage.values())
 
 
 def tracer_key(t: torch.Tensor) -> int:
@@ -149,24 +205,33 @@ def _renamed(path: str, rename: dict[str, str]) -> str:
 
 
 def describe(
-    config: dict[str, Any], *, micro_batch: int, seq_len: int, dtype: str, name: str
+    config: dict[str, Any],
+    *,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str,
+    name: str,
+    finetune: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The description (a JSON-ready dict, ``sim.workload.description`` reads it)."""
+    """The description (a JSON-ready dict, ``sim.workload.description`` reads it); ``finetune``
+    (method, rank, alpha, dropout, target_modules, ...) describes the model LoRA trains."""
     from hfmodel.ops import assemble_ops
 
     dtype = canonical_dtype(dtype)
     sha = config_sha256(config)
     cfg = hf_config(config, attn=PROBE)
-    meta = _meta_facts(cfg, TORCH_DTYPES[dtype])
+    meta = _meta_facts(cfg, TORCH_DTYPES[dtype], finetune)
     blocks = meta["blocks"]
-    ops, calls, rename = _trace(cfg, TORCH_DTYPES[dtype], meta["reps"], blocks, micro_batch, seq_len)
+    ops, calls, rename = _trace(
+        cfg, TORCH_DTYPES[dtype], meta["reps"], blocks, micro_batch, seq_len, finetune
+    )
     for op in ops:
         op.owner = (
             _renamed(op.owner.removeprefix("attention:"), rename)
             if op.module_type == "AttentionProbe"
             else _renamed(op.owner, rename)
         )
-    calls = [{**call.__dict__, "module": _renamed(call.module, rename)} for call in calls]
+    calls = [{**call, "module": _renamed(call["module"], rename)} for call in calls]
     return {
         "version": DESCRIPTION_VERSION,
         "name": name,
@@ -187,6 +252,7 @@ def describe(
             "torch": torch.__version__,
         },
         "ops": assemble_ops(ops, calls, meta, blocks),
+        "finetune": meta["finetune"],
     }
 
 

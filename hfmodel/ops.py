@@ -39,6 +39,8 @@ def _useful(op: OpRecord) -> bool:
         or op.saved_bytes
         or op.forward_transient_bytes
         or op.backward_transient_bytes
+        or op.backward_flops
+        or op.backward_memory_bytes
     )
 
 
@@ -64,6 +66,9 @@ def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[st
                 "forward_transient_bytes": op.forward_transient_bytes,
                 "backward_transient_bytes": op.backward_transient_bytes,
                 "gemms": [list(g) for g in op.gemms],
+                "backward_flops": op.backward_flops,
+                "backward_memory_bytes": op.backward_memory_bytes,
+                "backward_gemms": [list(g) for g in op.backward_gemms],
                 "attention": attention,
                 "host_ops": host,
             }

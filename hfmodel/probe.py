@@ -34,13 +34,16 @@ class _Empty(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx.shapes = (q, k, v)
+        # shapes only: holding q, k, v would keep them alive to the end of the trace, where they
+        # would count as every later op's transient (the kernel's own saved q, k, v are added
+        # by the simulator)
+        ctx.shapes = tuple((t.shape, t.dtype) for t in (q, k, v))
         b, h, s, _ = q.shape
         return q.new_empty(b, s, h, v.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(grad.new_empty(t.shape) for t in ctx.shapes)
+        return tuple(grad.new_empty(shape, dtype=dtype) for shape, dtype in ctx.shapes)
 
 
 class ProbeRecorder:
@@ -50,6 +53,10 @@ class ProbeRecorder:
         self.tracer = tracer
         self.paths = paths  # id(module) -> module path
         self.calls: list[AttentionCall] = []
+        self.outputs: list[int | None] = []  # each call's output storage (the tracer's uid)
+        # each call's q, k, v: (storage uid, storage bytes, the view's bytes); a fused kernel saves
+        # them, and a view into a larger storage (a fused qkv projection's value) keeps all of it
+        self.inputs: list[list[tuple[int | None, int, int]]] = []
 
     def attention(
         self,
@@ -75,9 +82,16 @@ class ProbeRecorder:
                 window=int(window) if window else None,
             )
         )
+        self.inputs.append(
+            [
+                (self.tracer.uid_of(t), t.untyped_storage().nbytes(), t.numel() * t.element_size())
+                for t in (query, key, value)
+            ]
+        )
         self.tracer.probe_owner = f"attention:{path}"
         try:
             out = _Empty.apply(query, key, value)
+            self.outputs.append(self.tracer.uid_of(out))
             if out.grad_fn is not None and self.tracer.ops:
                 self.tracer.node_op[out.grad_fn] = self.tracer.ops[-1].index
         finally:

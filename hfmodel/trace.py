@@ -34,6 +34,8 @@ MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_m
 # aten calls that move no data although their schema does not say they alias
 ZERO_COPY = (
     "prim.",
+    "aten.empty",
+    "aten.new_empty",  # an allocation moves no data (the attention probe's outputs and gradients)
     "aten._unsafe_view",
     "aten.detach",
     "aten.lift_fresh",
@@ -57,6 +59,11 @@ class OpRecord:
     gemms: list[tuple[int, int, int, int]] = field(default_factory=list)
     aten_ops: list[int] = field(default_factory=list)  # global forward op indices
     backward_ops: list[int] = field(default_factory=list)
+    # what its backward runs: the matmuls autograd issues (none for a frozen weight's gradient,
+    # none at all when its input needs no gradient either), their FLOPs, and elementwise bytes
+    backward_flops: float = 0.0
+    backward_memory_bytes: float = 0.0
+    backward_gemms: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -71,13 +78,23 @@ def _nbytes(t: torch.Tensor) -> int:
     return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
 
 
+def _moved_bytes(args: Any, kwargs: Any, out: Any) -> int:
+    """What an elementwise call moves: it reads its tensor inputs and writes its outputs."""
+    return sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
+
+
 def gemm_shape(name: str, args: tuple[Any, ...]) -> tuple[int, int, int, int] | None:
-    """(M, N, K, count) of a matmul call; a grouped matmul as its experts' mean shape."""
+    """(M, N, K, count) of a matmul call; a grouped matmul as its experts' mean shape (tokens
+    against stacked 3-D weights, or, for the weights' gradient in backward, 2-D by 2-D with the
+    groups cut along K by ``offs``)."""
     mats = _tensors(args)
     if "grouped_mm" in name:
         x, w = mats[0], mats[1]
-        experts = w.shape[0]
-        return (max(1, x.shape[0] // experts), w.shape[-1], x.shape[-1], experts)
+        if w.dim() == 3:
+            experts = w.shape[0]
+            return (max(1, x.shape[0] // experts), w.shape[-1], x.shape[-1], experts)
+        groups = mats[2].numel() if len(mats) > 2 else 1
+        return (x.shape[0], w.shape[-1], max(1, x.shape[-1] // groups), groups)
     a, b = (mats[1], mats[2]) if name.startswith(("aten.addmm", "aten.baddbmm")) else (mats[0], mats[1])
     count = a.shape[0] if a.dim() == 3 else 1
     return (a.shape[-2], b.shape[-1], a.shape[-1], count)
@@ -181,7 +198,15 @@ class Tracer(TorchDispatchMode):
         inputs = {_key(t) for t in _tensors((args, kwargs))}
         if self.backward:
             index = self._current_backward_op()
-            self.ops[index].backward_ops.append(self.step)
+            record = self.ops[index]
+            record.backward_ops.append(self.step)
+            if name.startswith(MATMULS) or "grouped_mm" in name:
+                record.backward_flops += matmul_flops(name, func, args, kwargs, out)
+                shape = gemm_shape(name, args)
+                if shape is not None:
+                    record.backward_gemms.append(shape)
+            elif not func.is_view and not name.startswith(ZERO_COPY):
+                record.backward_memory_bytes += _moved_bytes(args, kwargs, out)
             self._record_outputs(out, inputs, index)
             return out
         op = self._current_forward_op()
@@ -192,9 +217,7 @@ class Tracer(TorchDispatchMode):
             if shape is not None:
                 op.gemms.append(shape)
         elif not func.is_view and not name.startswith(ZERO_COPY):
-            op.memory_bytes += sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(
-                _nbytes(t) for t in _tensors(out)
-            )
+            op.memory_bytes += _moved_bytes(args, kwargs, out)
         self._record_outputs(out, inputs, op.index)
         return out
 

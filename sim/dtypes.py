@@ -7,7 +7,9 @@ DTYPE_BYTES: dict[str, int] = {
     "bf16": 2,
     "fp16": 2,
     "fp8": 1,
+    "uint8": 1,  # QLoRA's packed 4-bit weights may be stored as bytes (bnb_4bit_quant_storage)
 }
+FLOAT_DTYPES = frozenset({"fp32", "bf16", "fp16", "fp8"})  # what compute and mixed precision take
 
 # Spellings users bring from torch (``torch.bfloat16``) and from other tools.
 DTYPE_ALIASES: dict[str, str] = {

@@ -27,8 +27,10 @@ from sim.schedule.step import StepConfig
 from sim.schedule.zero import build_zero12_program
 from sim.schedule.zero3 import build_zero3_program
 from sim.workload.checkpointing import checkpoint_plan
+from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
 from sim.workload.layers import LayerOp, Workload, model_buffer_bytes
+from sim.workload.model import ModelConfig
 from sim.workload.options import Strategy, WrapPolicy
 from sim.workload.units import build_segments, build_units
 
@@ -178,8 +180,18 @@ def build_step(
             ranks_per_node=min(scenario.gpus_per_node, parallel.world_size),
             profile=profile.name,
         ),
+        quant_state_bytes=_quant_state_bytes(model),
+        sync_every_microbatch=training.sync_every_microbatch,
     )
     return step, topology, ops
+
+
+def _quant_state_bytes(model: ModelConfig) -> int:
+    """QLoRA's quantization state of every 4-bit weight, whole on every rank."""
+    d = model.description
+    if d is None or d.finetune is None or not d.finetune.quantized:
+        return 0
+    return total_quant_state_bytes(d.params, d.finetune.double_quant)
 
 
 def _group_cost(

@@ -228,13 +228,13 @@ def _max_live(result, prefix):
     return best
 
 
-@pytest.mark.parametrize("prefetch, limit", [(0, 3), (1, 3), (2, 4)])
+@pytest.mark.parametrize("prefetch, limit", [(0, 2), (1, 2), (2, 3)])
 def test_all_gathers_in_flight_are_limited_by_the_copy_out_chain(prefetch, limit):
-    """FSDP2's implicit rate limit: the all-gather streams wait for the copy-out of the unit before
-    the current one (``wait_for_unshard``), and a forward all-gather output lives until the next
-    unit's copy-out. With compute far slower than communication the outputs of the running unit
-    and of two units ahead are alive at once, however many layers there are; explicit forward
-    prefetch of 2 lets one more run ahead."""
+    """FSDP2's implicit rate limit as the caching allocator counts it: a forward all-gather output
+    lives until the next unit's copy-out (``wait_for_unshard`` drops ``all_gather_state``), and the
+    host allocates the next unit's output after that, in host order. With compute far slower than
+    communication the outputs of the running unit and of the next one are allocated at once,
+    however many layers there are; explicit forward prefetch of 2 lets one more run ahead."""
     s = make_scenario(
         model={"preset": "llama2-7b", "n_layers": 8},
         training={"micro_batch": 4, "seq_len": 4096},
@@ -275,3 +275,32 @@ def test_a_one_rank_shard_group_copies_instead_of_gathering_and_scattering(paral
     # (and, for HSDP, nothing else) are communication buffers
     labels = {m.label.split(":")[0] for m in r.events.memory_of(0) if m.category.value == "comm_buffers"}
     assert labels == {"reduce_scatter_input"}
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD", "NO_SHARD"])
+def test_accumulation_without_sync_reduces_once_per_step(strategy):
+    """``training.sync_every_microbatch = false``: one reduction per unit (DDP: per bucket) per
+    optimizer step, on the last micro-batch, instead of one per micro-batch; FSDP2 keeps each
+    unit's unsharded gradients (in reduce_dtype) until then, so the step holds more memory."""
+    parallel = {"world_size": 4, "strategy": strategy}
+    if strategy == "HYBRID_SHARD":
+        parallel["shard_group_size"] = 2
+    kwargs = dict(
+        model={"preset": "tiny"},
+        training={"grad_accum": 3},
+        parallel=parallel,
+        precision={"param_dtype": "bf16", "reduce_dtype": "fp32"},
+    )
+    synced = simulate(make_scenario(**kwargs), make_profile())
+    kwargs["training"] = {"grad_accum": 3, "sync_every_microbatch": False}
+    unsynced = simulate(make_scenario(**kwargs), make_profile())
+
+    def reductions(r):
+        kinds = (OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)
+        return [o for o in r.events.ops if o.rank == 0 and o.kind in kinds]
+
+    assert len(reductions(unsynced)) * 3 == len(reductions(synced))
+    assert {o.microbatch for o in reductions(unsynced)} == {2}
+    if strategy != "NO_SHARD":
+        peak = [build_report(r).peak_memory_bytes for r in (synced, unsynced)]
+        assert peak[1] > peak[0]

@@ -138,7 +138,8 @@ def test_pruning_never_drops_a_fitting_point(small: Path) -> None:
 def test_best_is_the_best_simulated_that_fits(small: Path) -> None:
     result, limit = searched(small, True)
     fitting = [e for e in result.evaluated if e.report is not None and e.required_bytes <= limit]
-    assert result.top[0].step_time_s == min(e.step_time_s for e in fitting)
+    # to the tuner's own tolerance: a prefetch variant equal to 1e-9 is listed once (same_but_prefetch)
+    assert result.top[0].step_time_s == pytest.approx(min(e.step_time_s for e in fitting), rel=1e-9)
     steps = [e.step_time_s for e in result.top]
     assert steps == sorted(steps) and len(result.top) == 5
     assert all(e.fits(limit) for e in result.top)

@@ -29,14 +29,41 @@ def build_llama(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
 
 
 def build_model(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
-    """The scenario's model: a described one from its own config.json (SDPA attention), else Llama."""
+    """The scenario's model: a described one from its own config.json (SDPA attention), else Llama.
+    Fine-tuned with LoRA: the base in the compute dtype it was described in, PEFT's adapters on it
+    (fp32, PEFT's default over a lower-precision base)."""
     if model.description is None:
         return build_llama(model, seq_len, seed)
     import json
 
     from hfmodel.build import build_causal_lm, hf_config
 
-    return build_causal_lm(hf_config(json.loads(model.description.config_json)), seed=seed)
+    d = model.description
+    config = hf_config(json.loads(d.config_json))
+    if d.finetune is None:
+        return build_causal_lm(config, seed=seed)
+    from hfmodel.build import block_prefixes
+    from hfmodel.finetune import apply_lora, quantize_base
+
+    base = build_causal_lm(config, dtype=TORCH_DTYPES[d.dtype], seed=seed)
+    if d.finetune.method == "qlora":  # bitsandbytes' 4-bit layers first, PEFT's wrappers on them
+        storage = TORCH_DTYPES.get(d.finetune.quant_storage, torch.uint8)
+        quantize_base(base, block_prefixes(base), storage=storage, double_quant=d.finetune.double_quant)
+    return apply_lora(base, finetune_settings(model))
+
+
+def finetune_settings(model: ModelConfig) -> dict[str, Any]:
+    """The LoRA settings the model was described with, as ``hfmodel.finetune`` takes them."""
+    f = model.description.finetune if model.description is not None else None
+    assert f is not None
+    targets = list(f.target_modules) if isinstance(f.target_modules, tuple) else f.target_modules
+    return {
+        "method": f.method,
+        "rank": f.rank,
+        "alpha": f.alpha,
+        "dropout": f.dropout,
+        "target_modules": targets,
+    }
 
 
 def block_modules(model: nn.Module, scenario: Scenario) -> list[tuple[nn.Module, str, nn.Module]]:

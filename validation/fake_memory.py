@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sim.errors import UserError
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
-from sim.workload.options import Strategy
+from sim.workload.options import FinetuneMethod, Strategy
 from validation.build import build_model, wrap
 from validation.worker import TRACKER_CATEGORIES, Trainer, _mesh
 
@@ -68,7 +68,8 @@ class FakeTrainer(Trainer):
         self.wrapped = wrap(model, scenario, mesh)
         self.model = self.wrapped.model
         self.ddp_counts = {}
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
+        self.optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
         self.autocast = False  # FSDP2 mixed precision is the MixedPrecisionPolicy, not autocast
 
 
@@ -243,8 +244,27 @@ def _check_supported(scenario: Scenario) -> None:
         )
 
 
+def _kernels(real: bool) -> Any:
+    if not real:
+        return contextlib.nullcontext()
+    from validation.qlora import unfused_4bit_matmul
+
+    return unfused_4bit_matmul()
+
+
+def _uses_real_tensors(scenario: Scenario) -> bool:
+    """QLoRA runs on real tensors: bitsandbytes' fake kernels give shapes but do not quantize, and
+    allocate none of the dequantized weights the real kernels allocate."""
+    return scenario.finetune.method is FinetuneMethod.QLORA
+
+
 def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, Any]:
     """Peak bytes of rank 0 in one tracked FSDP2 step at ``parallel.world_size`` ranks, by category.
+
+    QLoRA runs on real tensors under the same fake process group (a small model only), and the
+    4-bit layers' quantization state, module attributes allocated before the step that the
+    tracker does not see, is added to the parameters (``raw["Quant State"]``, measured from the
+    tensors bitsandbytes made).
 
     Returns ``total`` (the tracker's peak), the six simulator categories at that peak, ``raw``
     (the tracker's own categories), ``world_size``, ``wall_s`` (build and both steps),
@@ -262,7 +282,8 @@ def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, A
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=k)
     try:
         mesh = _mesh(scenario)  # outside the fake mode: DeviceMesh needs real rank tensors
-        with FakeTensorMode():
+        real = _uses_real_tensors(scenario)
+        with contextlib.nullcontext() if real else FakeTensorMode(), _kernels(real):
             trainer = FakeTrainer(scenario, mesh)
             with one_sequence_per_row(trainer.model):
                 with KernelRecorder() as recorder:
@@ -283,11 +304,20 @@ def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, A
 
 
 def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    from hfmodel.finetune import quant_state_bytes
+
     tracker = _tracker_class()(trainer.model, trainer.optimizer, detail=detail)
+    # FSDPMemTracker refuses a module's second forward in one tracked step; its module
+    # statistics are reset between micro-batches (the peak is kept)
+    trainer.after_microbatch = tracker.reset_mod_stats  # type: ignore[method-assign]
     with tracker:
         trainer.step(1)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     raw = {_name(name): int(value) for name, value in snapshot.items()}
+    quant = quant_state_bytes(trainer.model)  # QLoRA's, allocated before the step: not tracked
+    if quant:
+        raw["Quant State"] = quant
+        raw["Total"] = raw.get("Total", 0) + quant
     return {"total": raw.get("Total", 0), **categories(raw), "raw": raw}, tracker.peak_where
 
 

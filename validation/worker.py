@@ -7,6 +7,7 @@ CUDA it runs NCCL on ``cuda:LOCAL_RANK`` and synchronises the device around ever
 CUDA it runs gloo on the CPU.
 """
 
+import contextlib
 import datetime
 import json
 import os
@@ -43,6 +44,7 @@ TRACKER_CATEGORIES = {
     "All Gather": "comm_buffers",
     "Reduce Scatter": "comm_buffers",
     "Temp": "other",
+    "Quant State": "params",  # QLoRA's, added by validation.fake_memory (the tracker does not see it)
 }
 
 
@@ -90,10 +92,12 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 loss = self.model(input_ids=ids, labels=labels).loss
             t1 = synced_now(self.device)
-            loss.backward()
+            with self._gradient_sync(mb == self.scenario.training.grad_accum - 1):
+                loss.backward()
             t2 = synced_now(self.device)
             phases["forward"] += t1 - t0
             phases["backward"] += t2 - t1
+            self.after_microbatch()
             self.marks += [("forward", t0, t1), ("backward", t1, t2)]
         t2 = synced_now(self.device)
         self.optimizer.step()
@@ -102,6 +106,18 @@ class Trainer:
         phases["optimizer"] = t3 - t2
         self.marks.append(("optimizer", t2, t3))
         return phases
+
+    def after_microbatch(self) -> None:
+        """Called after each micro-batch's backward (the fake-mode tracker resets its module stats)."""
+
+    def _gradient_sync(self, last: bool) -> Any:
+        """``training.sync_every_microbatch = false``: FSDP2's ``set_requires_gradient_sync`` (or
+        DDP's ``no_sync``) off on every micro-batch but the last."""
+        sync = last or self.scenario.training.sync_every_microbatch
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if sync else self.model.no_sync()  # type: ignore[operator]
 
 
 def _storage_peak(trainer: Any, index: int) -> dict[str, Any] | None:

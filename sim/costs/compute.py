@@ -50,7 +50,9 @@ class Roofline:
             memory = op.memory_bytes / self.hbm_Bps
             return 3.0 * op.flops / self.flops_per_s + memory, op.backward_memory_factor * memory
         fwd = op.flops / self.flops_per_s + op.memory_bytes / self.hbm_Bps
-        return fwd, 2.0 * fwd
+        if op.backward_flops is None:
+            return fwd, 2.0 * fwd
+        return fwd, op.backward_flops / self.flops_per_s + (op.backward_memory_bytes or 0.0) / self.hbm_Bps
 
     def sac_recompute_s(self, op: LayerOp, attention_kernel: str) -> float:
         """Op-level selective checkpointing recomputes what it does not keep (see ``GpuKernelModel``)."""
@@ -130,17 +132,27 @@ class ComputeCosts:
         def total(quantity: str, which: int = 0) -> float:
             return sum(t[which] * self._scale(op, quantity) for op, t in zip(seg.ops, times, strict=True))
 
-        def largest(quantity: str) -> int:
-            # ops run one after another, so a segment's transient is its largest op's
-            return round(max(getattr(op, f"{quantity}_bytes") * self._scale(op, quantity) for op in seg.ops))
+        saved = [op.saved_bytes * self._scale(op, "saved") for op in seg.ops]
+        saved_total = round(sum(saved))
+
+        def beyond_saved(quantity: str) -> int:
+            """The segment's transient, on top of all its saved bytes (which the schedule holds
+            for the whole op): ops run one after another, and while op i runs the segment holds
+            what ops up to i saved (in backward, what ops after it have not yet released) and
+            op i's transient; the largest such sum, less the segment's saved total."""
+            kept, peak = 0.0, 0.0
+            for op, nbytes in zip(seg.ops, saved, strict=True):
+                kept += nbytes
+                peak = max(peak, kept + getattr(op, f"{quantity}_bytes") * self._scale(op, quantity))
+            return max(0, round(peak) - saved_total)
 
         return SegmentFigures(
             forward_s=total("forward"),
             backward_s=total("backward", 1),
             recompute_s=total("recompute"),
-            saved_bytes=round(sum(op.saved_bytes * self._scale(op, "saved") for op in seg.ops)),
-            forward_transient_bytes=largest("forward_transient"),
-            backward_transient_bytes=largest("backward_transient"),
+            saved_bytes=saved_total,
+            forward_transient_bytes=beyond_saved("forward_transient"),
+            backward_transient_bytes=beyond_saved("backward_transient"),
             sac_kept_bytes=sum(op.sac_kept_bytes for op in seg.ops),
             sac_recompute_s=sum(
                 self.kernels.sac_recompute_s(op, self.attention_kernel) * self._scale(op, "recompute")

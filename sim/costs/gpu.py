@@ -121,7 +121,18 @@ class GpuKernelModel:
         return self.op_s(op, attention_kernel)[0]
 
     def op_s(self, op: LayerOp, attention_kernel: str) -> tuple[float, float]:
-        """(forward, backward) seconds of one layer op."""
+        """(forward, backward) seconds of one layer op; the backward as measured where it was
+        (a described model's: its own matmuls, e.g. no weight gradient for a frozen weight)."""
+        fwd, bwd = self._analytic_op_s(op, attention_kernel)
+        if op.backward_gemms is None:
+            return fwd, bwd
+        bwd = sum(c * self.gemm_s(m, n, k) for m, n, k, c in op.backward_gemms)
+        bwd += self.memory_s(op.backward_memory_bytes or 0.0)
+        if op.kind is LayerKind.ATTENTION and op.attention is not None:
+            bwd += self.attention_s(op.attention, attention_kernel)[1]
+        return fwd, bwd
+
+    def _analytic_op_s(self, op: LayerOp, attention_kernel: str) -> tuple[float, float]:
         if op.grouped_gemms:  # each (M, N, K) matmul ``count`` times, plus the op's elementwise work
             fwd = sum(c * self.gemm_s(m, n, k) for m, n, k, c in op.grouped_gemms)
             bwd = sum(c * (self.gemm_s(m, k, n) + self.gemm_s(n, k, m)) for m, n, k, c in op.grouped_gemms)
@@ -136,9 +147,9 @@ class GpuKernelModel:
             return matmuls + self.memory_s(elementwise), self.memory_s(
                 op.backward_memory_factor * elementwise
             )
-        if op.gemm is not None:
+        if op.gemm is not None:  # plus its elementwise work (QLoRA's dequantization; zero otherwise)
             m, n, k = op.gemm
-            fwd = self.gemm_s(m, n, k)
+            fwd = self.gemm_s(m, n, k) + self.memory_s(op.memory_bytes)
             return fwd, self.gemm_s(m, k, n) + self.gemm_s(n, k, m)
         elementwise = self.memory_s(op.memory_bytes)
         elementwise_bwd = self.memory_s(op.backward_memory_factor * op.memory_bytes)

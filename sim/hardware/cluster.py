@@ -401,7 +401,8 @@ def group_fabric(
         nvlink_domain=spec.nvlink_domain,
         pcie_bw_Bps=_capacities(graph, gpu, "pcie")[0],
         nics_per_node=min(len(v) for v in nics.values()) if multi_node else 0,
-        nic_bw_Bps=_capacities(graph, min(nics[first_node]), "nic")[0],
+        # a node without NICs (a workstation's GPUs: rtx-3090's profile) has no NIC bandwidth
+        nic_bw_Bps=_capacities(graph, min(nics[first_node]), "nic")[0] if nics[first_node] else 0.0,
         network_share=1 / spec.spine_oversubscription if multi_node and _crosses_spine(graph, nics) else 1.0,
         nic_latency_s=spec.nic_latency_s or 0.0,
         host_cpu="amd" if spec.host_cpu == "amd" else "intel",

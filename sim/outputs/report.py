@@ -297,7 +297,11 @@ def build_report(result: SimResult) -> StepReport:
         memory_at_peak=curves[worst].at(curves[worst].peak_index()),
         model_state=model_state(step),
         model_state_bytes_deepspeed_convention=deepspeed_convention_bytes(
-            n, s.parallel.strategy, max(1, step.shard_size), step.zero.stage if step.zero else None
+            n,
+            s.parallel.strategy,
+            max(1, step.shard_size),
+            step.zero.stage if step.zero else None,
+            frozen=sum(p.quantized_numel or p.numel for u in step.units for p in u.params if not p.trainable),
         ),
         device_memory_bytes=profile.device.memory_bytes,
         **device_memory(result, worst, curves[worst].peak_bytes()),

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from sim.errors import UserError
-from sim.fileio import read_json
-from sim.workload.description import DESCRIPTION_VERSION, ModelDescription, parse_description
+from sim.fileio import read_json, write_json_atomic
+from sim.workload.description import DESCRIPTION_VERSION, ModelDescription, finetune_key, parse_description
+from sim.workload.model import ModelConfig
 
 LIBRARY = Path(__file__).resolve().parent / "hf_library"
 EXTRACT_TIMEOUT_S = 1800.0
@@ -95,12 +96,44 @@ def _transformers_version(where: str) -> str:
         ) from None
 
 
+def llama_config_file(model: ModelConfig) -> Path:
+    """A hand-written Llama preset as the ``LlamaConfig`` of its dimensions (as
+    ``calibrate.hf_llama.llama_config`` builds it), written once into the cache folder, so that
+    the real model can be measured with PEFT's adapters."""
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": model.hidden,
+        "intermediate_size": model.ffn_hidden,
+        "num_hidden_layers": model.n_layers,
+        "num_attention_heads": model.n_heads,
+        "num_key_value_heads": model.n_kv_heads,
+        "vocab_size": model.vocab,
+        "tie_word_embeddings": model.tie_embeddings,
+    }
+    path = cache_dir() / "configs" / f"{model.name.rstrip('*')}-{config_sha256(config)[:16]}.config.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, config)
+    return path
+
+
 def _extract(
-    config_path: Path, out: Path, *, name: str, micro_batch: int, seq_len: int, dtype: str, where: str
+    config_path: Path,
+    out: Path,
+    *,
+    name: str,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str,
+    where: str,
+    finetune: dict[str, Any] | None,
 ) -> None:
     root = Path(__file__).resolve().parent.parent.parent
     cmd = [sys.executable, "-m", "hfmodel", "describe", str(config_path), "--name", name]
     cmd += ["--micro-batch", str(micro_batch), "--seq-len", str(seq_len), "--dtype", dtype, "--out", str(out)]
+    if finetune is not None:
+        cmd += ["--finetune", json.dumps(finetune, sort_keys=True)]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     )
@@ -116,19 +149,35 @@ def _extract(
 
 
 def describe_config(
-    config_path: Path, *, name: str, micro_batch: int, seq_len: int, dtype: str, where: str
+    config_path: Path,
+    *,
+    name: str,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str,
+    where: str,
+    finetune: dict[str, Any] | None = None,
 ) -> ModelDescription:
-    """The description of ``config_path`` at these dims: from the cache, else measured and cached."""
+    """The description of ``config_path`` at these dims (and fine-tuning settings, measured with
+    PEFT): from the cache, else measured and cached."""
     config = read_config(config_path, where)
     sha = config_sha256(config)
     version = _transformers_version(where)
+    tune = finetune_key(finetune)
     cached = (
         cache_dir()
-        / f"{name}-{sha[:16]}-mb{micro_batch}-s{seq_len}-{dtype}-v{DESCRIPTION_VERSION}-tf{version}.json"
+        / f"{name}-{sha[:16]}-mb{micro_batch}-s{seq_len}-{dtype}-{tune}-v{DESCRIPTION_VERSION}-tf{version}.json"
     )
     if not cached.is_file():
         _extract(
-            config_path, cached, name=name, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, where=where
+            config_path,
+            cached,
+            name=name,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            dtype=dtype,
+            where=where,
+            finetune=finetune,
         )
     description = parse_description(read_json(cached, "model description"), str(cached))
     if description.config_sha256 != sha:

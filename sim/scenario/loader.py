@@ -15,14 +15,14 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sim.dtypes import canonical_dtype
+from sim.dtypes import FLOAT_DTYPES, canonical_dtype
 from sim.errors import UserError
 from sim.hardware.cluster import ClusterSpec, load_cluster
 from sim.hardware.registry import load_profile
-from sim.scenario.hf_model import describe_config, library, library_entry
-from sim.scenario.sections import ENGINES, SECTIONS, ClusterSection, ModelSection, Scenario
+from sim.scenario.hf_model import describe_config, library, library_entry, llama_config_file
+from sim.scenario.sections import ENGINES, SECTIONS, ClusterSection, FinetuneSection, ModelSection, Scenario
 from sim.workload.model import PRESETS, ModelConfig, preset
-from sim.workload.options import Strategy
+from sim.workload.options import FinetuneMethod, Strategy
 
 
 def _type_name(tp: Any) -> str:
@@ -34,6 +34,10 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, name: str, where: str) -> Any:
     """Check ``value`` against the annotation ``tp`` and convert (int -> float, str -> enum)."""
     args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple:  # tuple[str, ...]: a TOML list
+        if not isinstance(value, list):
+            raise UserError(f"{where}: {name} must be a list, got {value!r}")
+        return tuple(_coerce(v, args[0], name, where) for v in value)
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         inner = [a for a in args if a is not type(None)]
         if value is None and type(None) in args:
@@ -79,8 +83,14 @@ def _build_section(name: str, cls: type, raw: Any, where: str) -> Any:
 
 
 def _described_model(section: ModelSection, built: dict[str, Any], where: str) -> ModelConfig | None:
-    """A model from a config.json (``model.config``, or a library name in ``model.preset``)."""
-    if section.config is not None:
+    """A model from a config.json (``model.config``, or a library name in ``model.preset``); a
+    hand-written preset fine-tuned with LoRA, from the Llama config of its dimensions (PEFT's
+    adapters are measured on the real model)."""
+    finetune = built["finetune"]
+    if section.config is None and finetune.lora and (section.preset is None or section.preset in PRESETS):
+        hand_written = _resolve_model(section, {**built, "finetune": FinetuneSection()}, where)
+        path, name = llama_config_file(hand_written), hand_written.name
+    elif section.config is not None:
         path = Path(where).parent / section.config
         name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     elif section.preset is not None and section.preset not in PRESETS:
@@ -95,6 +105,8 @@ def _described_model(section: ModelSection, built: dict[str, Any], where: str) -
         for f in fields(section)
         if f.name not in ("preset", "config") and getattr(section, f.name) is not None
     ]
+    if section.config is None and (section.preset is None or section.preset in PRESETS):
+        extra = []  # a hand-written model's dimensions, already applied
     if extra or (section.config is not None and section.preset is not None):
         raise UserError(
             f"{where}: a model from a config.json takes no other model keys (got {', '.join(extra) or 'model.preset'})"
@@ -107,6 +119,7 @@ def _described_model(section: ModelSection, built: dict[str, Any], where: str) -
         seq_len=training.seq_len,
         dtype=canonical_dtype(precision.param_dtype),
         where=where,
+        finetune=finetune.settings() if finetune.lora else None,
     )
     return ModelConfig.of(description)
 
@@ -156,13 +169,6 @@ def _check(s: Scenario, where: str) -> None:
     _check_cluster(s, where, positive)
     if p.forward_prefetch < 0 or p.backward_prefetch < 0:
         raise UserError(f"{where}: parallel.forward_prefetch and parallel.backward_prefetch must be >= 0")
-    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-        value = getattr(s.precision, name)
-        if value is not None:
-            try:
-                canonical_dtype(value)
-            except UserError as e:
-                raise UserError(f"{where}: precision.{name}: {e}") from None
     if p.shard_group_size is not None:
         positive("parallel.shard_group_size", p.shard_group_size)
     if p.strategy.is_hybrid:
@@ -183,6 +189,7 @@ def _check(s: Scenario, where: str) -> None:
         )
     _check_fsdp_version(s, where)
     _check_deepspeed(s, where)
+    _check_finetune_system(s, where)
     sim = s.simulation
     if sim.compute_jitter < 0:
         raise UserError(f"{where}: simulation.compute_jitter must be >= 0")
@@ -263,6 +270,62 @@ def _check_deepspeed(s: Scenario, where: str) -> None:
         raise UserError(f"{where}: deepspeed.offload_param needs deepspeed.stage = 3")
 
 
+def _check_precision(precision: Any, where: str) -> None:
+    """Before the model is described in ``param_dtype``."""
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        value = getattr(precision, name)
+        if value is not None:
+            try:
+                canonical = canonical_dtype(value)
+            except UserError as e:
+                raise UserError(f"{where}: precision.{name}: {e}") from None
+            if canonical not in FLOAT_DTYPES:
+                raise UserError(
+                    f"{where}: precision.{name} = {value!r} is not allowed; allowed: {', '.join(sorted(FLOAT_DTYPES))}"
+                )
+
+
+def _check_finetune_system(s: Scenario, where: str) -> None:
+    """LoRA and accumulation without sync are modelled in the FSDP2 and DDP schedules only."""
+    other = s.parallel.fsdp_version == 1 or s.deepspeed.enabled
+    if other and s.finetune.lora:
+        raise UserError(
+            f"{where}: finetune.method = {s.finetune.method.value!r} is modelled under FSDP2 and DDP only "
+            "(parallel.fsdp_version = 2, deepspeed.enabled = false)"
+        )
+    if other and not s.training.sync_every_microbatch:
+        raise UserError(
+            f"{where}: training.sync_every_microbatch = false is modelled under FSDP2 and DDP only "
+            "(parallel.fsdp_version = 2, deepspeed.enabled = false)"
+        )
+
+
+def _check_finetune(f: FinetuneSection, param_dtype: str, where: str) -> None:
+    """Before the model is described with these settings."""
+    if not f.lora:
+        return
+    for name in ("rank", "alpha"):
+        if getattr(f, name) <= 0:
+            raise UserError(f"{where}: finetune.{name} must be > 0, got {getattr(f, name)}")
+    if not 0 <= f.dropout < 1:
+        raise UserError(f"{where}: finetune.dropout must be in [0, 1), got {f.dropout}")
+    if f.method is FinetuneMethod.QLORA:
+        storage = ("bf16", "fp16", "fp32", "uint8")
+        try:
+            name = canonical_dtype(f.quant_storage)
+        except UserError:
+            name = ""
+        if name not in storage:
+            raise UserError(
+                f"{where}: finetune.quant_storage = {f.quant_storage!r} is not allowed; allowed: {', '.join(storage)}"
+            )
+        if name in FLOAT_DTYPES and name != canonical_dtype(param_dtype):
+            raise UserError(
+                f"{where}: finetune.quant_storage = {name!r} differs from precision.param_dtype = "
+                f"{param_dtype!r}: FSDP2 would cast the packed 4-bit weights; use {param_dtype!r} or 'uint8'"
+            )
+
+
 def _check_selective(s: Scenario, where: str) -> None:
     value = s.checkpointing.selective
     if value != "op" and not (isinstance(value, int) and value >= 1):
@@ -323,6 +386,8 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
         if name not in SECTIONS:
             raise UserError(f"{where}: unknown section [{name}]{_did_you_mean(name, list(SECTIONS))}")
     built = {name: _build_section(name, cls, data.get(name, {}), where) for name, cls in SECTIONS.items()}
+    _check_precision(built["precision"], where)
+    _check_finetune(built["finetune"], built["precision"].param_dtype, where)
     model = _resolve_model(built.pop("model"), built, where)
     built["cluster"], spec = _cluster(data.get("cluster", {}), built["cluster"], where)
     scenario = Scenario(

@@ -13,6 +13,7 @@ from sim.workload.model import ModelConfig
 from sim.workload.options import (
     BackwardPrefetch,
     CheckpointMode,
+    FinetuneMethod,
     Fsdp1Options,
     LossKernel,
     OffloadDevice,
@@ -43,6 +44,9 @@ class TrainingSection:
     grad_accum: int = 1
     avg_seq_len: int | None = None  # mean real tokens per sequence padded to seq_len; None: no padding
     loss: LossKernel = LossKernel.EAGER  # eager (HF's cross-entropy) or fused (Liger's fused linear CE)
+    # false: accumulate gradients without synchronising (FSDP2 set_requires_gradient_sync(False),
+    # DDP no_sync) on every micro-batch but the last: one reduction per optimizer step
+    sync_every_microbatch: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +188,40 @@ class SimulationSection:
 ENGINES = ("auto", "simpy", "vector")
 VECTOR_RANKS = 256  # "auto" below this: every rank's full records are cheap enough
 
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneSection:
+    """What the step trains: everything, or LoRA adapters (PEFT ``LoraConfig``) over a frozen base,
+    which QLoRA stores in 4-bit NF4 (bitsandbytes ``Params4bit``)."""
+
+    method: FinetuneMethod = FinetuneMethod.FULL
+    rank: int = 16  # LoraConfig.r
+    alpha: int = 32  # LoraConfig.lora_alpha
+    dropout: float = 0.0  # LoraConfig.lora_dropout
+    # PEFT's names (["q_proj", "v_proj"]), "all-linear", or None: PEFT's default for the model type
+    target_modules: tuple[str, ...] | str | None = None
+    quant_storage: str = "bf16"  # qlora: bnb_4bit_quant_storage (the FSDP-QLoRA recipe's bf16)
+    double_quant: bool = True  # qlora: bnb_4bit_use_double_quant
+
+    @property
+    def lora(self) -> bool:
+        return self.method is not FinetuneMethod.FULL
+
+    def settings(self) -> dict[str, object]:
+        """What the model description is measured with (``hfmodel.finetune``)."""
+        targets = list(self.target_modules) if isinstance(self.target_modules, tuple) else self.target_modules
+        out: dict[str, object] = {
+            "method": self.method.value,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "target_modules": targets,
+        }
+        if self.method is FinetuneMethod.QLORA:
+            out |= {"quant_storage": self.quant_storage, "double_quant": self.double_quant}
+        return out
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "training": TrainingSection,
@@ -195,6 +233,7 @@ SECTIONS: dict[str, type] = {
     "checkpointing": CheckpointingSection,
     "cluster": ClusterSection,
     "simulation": SimulationSection,
+    "finetune": FinetuneSection,
 }
 
 
@@ -214,6 +253,7 @@ class Scenario:
     gpus_per_node: int  # cluster.gpus_per_node, else the cluster's or the profile's; resolved at load
     cluster_spec: ClusterSpec | None = None  # the cluster cluster.name names, read at load
     warnings: tuple[str, ...] = ()  # what the scenario asks that its model was not built for
+    finetune: FinetuneSection = FinetuneSection()
 
     @property
     def param_dtype(self) -> str:

@@ -24,7 +24,7 @@ from sim.workload.units import ROOT
 
 def bucket_ready_segments(cfg: StepConfig) -> list[tuple[int, int]]:
     """(segment index whose backward completes the bucket, bucket numel) in reduction order."""
-    seg_of = {p.name: i for i, seg in enumerate(cfg.segments) for p in seg.params}
+    seg_of = {p.name: i for i, seg in enumerate(cfg.segments) for p in seg.params if p.trainable}
     params = [p for u in cfg.units for p in u.params if p.name in seg_of]
     buckets: list[tuple[int, int]] = []
     numel, ready = 0, len(cfg.segments)
@@ -58,6 +58,8 @@ class DdpScheduleBuilder(ScheduleBuilder):
             mb = Microbatch(index=index)
             self._forward(mb)
             reductions = self._backward(mb)
+            if not (cfg.sync_every_microbatch or index == cfg.grad_accum - 1):
+                continue  # no_sync(): gradients accumulate in param.grad, no bucket is reduced
             # the reducer's finalize copies the buckets back into param.grad on the compute stream
             copy = self.compute(
                 OpKind.COPY,
@@ -77,7 +79,7 @@ class DdpScheduleBuilder(ScheduleBuilder):
             casts: tuple[Alloc, ...] = ()
             if cfg.param_bytes != cfg.master_bytes:  # autocast's cast copy, saved for backward
                 mb.casts[i] = self.label("cast_params", seg.unit, mb.index)
-                numel = sum(x.numel for x in seg.params)
+                numel = sum(x.numel for x in seg.params if x.dtype is None)
                 casts = (Alloc(label=mb.casts[i], category=Mem.PARAMS, bytes=numel * cfg.param_bytes),)
             self.forward_segment(i, mb.index, mb, extra_allocs=casts)
 
@@ -94,11 +96,12 @@ class DdpScheduleBuilder(ScheduleBuilder):
             if mb.index == 0:  # param.grad, in fp32, from the first micro-batch on
                 label = self.label("grads", seg.unit, mb.index)
                 self.grad_labels.append(label)
-                numel = sum(x.numel for x in seg.params)
+                numel = sum(x.numel for x in seg.params if x.trainable)
                 grads = (Alloc(label=label, category=Mem.GRADS, bytes=numel * cfg.master_bytes),)
             casts = (mb.casts.pop(i),) if i in mb.casts else ()
             op = self.backward_segment(i, mb.index, mb, end_allocs=grads, extra_frees=casts)
-            reductions += self._all_reduce_ready_buckets(i, op, mb.index)
+            if cfg.sync_every_microbatch or mb.index == cfg.grad_accum - 1:
+                reductions += self._all_reduce_ready_buckets(i, op, mb.index)
         return reductions
 
     def _all_reduce_ready_buckets(self, seg_index: int, after: int, mb: int) -> list[int]:

@@ -24,9 +24,12 @@ from sim.core.events import MemoryCategory as Mem
 from sim.core.events import OpKind, Stream
 from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
+from sim.dtypes import FLOAT_DTYPES
 from sim.schedule.base import Activations, ScheduleBuilder, UnitLayout
+from sim.schedule.model_state import stored_bytes
 from sim.schedule.step import StepConfig
-from sim.workload.units import ROOT
+from sim.workload.params import ParamSpec
+from sim.workload.units import ROOT, WrapUnit, padded_numel
 
 
 @dataclass(kw_only=True)
@@ -46,12 +49,52 @@ class Microbatch(Activations):
     post_backward_done: set[str] = field(default_factory=set)
 
 
+def cast_to_param_dtype(cfg: StepConfig, p: ParamSpec) -> bool:
+    """FSDP2 casts a parameter to ``param_dtype`` when it is a float of another dtype
+    (``FSDPParam.init_dtype_attrs``): the fp32 trainable ones under mixed precision."""
+    stored = p.dtype or "fp32"
+    return stored in FLOAT_DTYPES and stored != cfg.param_dtype
+
+
+def gathered_bytes(cfg: StepConfig, p: ParamSpec) -> int:
+    """Bytes per element FSDP2 all-gathers and unshards ``p`` in."""
+    return cfg.param_bytes if cast_to_param_dtype(cfg, p) else stored_bytes(cfg, p)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitBytes:
+    """One unit's FSDP2 buffers: the all-gather output (= its unsharded parameters), the copy-in
+    cast buffer of the parameters cast to ``param_dtype``, the bytes the copy-in reads, and the
+    padded elements with gradients (what it reduce-scatters)."""
+
+    gather: int
+    cast: int
+    copy_in: int
+    grad_padded: int
+    grad_numel: int  # the unsharded gradients (what accumulates without gradient sync)
+
+    @staticmethod
+    def of(cfg: StepConfig, unit: WrapUnit) -> "UnitBytes":
+        w = cfg.shard_size
+        pad = [(p, padded_numel(p, w)) for p in unit.params]
+        return UnitBytes(
+            gather=sum(n * gathered_bytes(cfg, p) for p, n in pad),
+            cast=sum(n // w * cfg.param_bytes for p, n in pad if cast_to_param_dtype(cfg, p)),
+            copy_in=sum(n // w * max(gathered_bytes(cfg, p), stored_bytes(cfg, p)) for p, n in pad),
+            grad_padded=sum(n for p, n in pad if p.trainable),
+            grad_numel=sum(p.numel for p in unit.params if p.trainable),
+        )
+
+
 class Fsdp2ScheduleBuilder(ScheduleBuilder):
     def __init__(self, cfg: StepConfig):
         super().__init__(cfg)
         self.w = cfg.shard_size
         self.layout = UnitLayout.of(cfg)
+        self.sizes = {u.name: UnitBytes.of(cfg, u) for u in cfg.units}  # the parameters' bytes by dtype
         self.reductions: list[int] = []  # every reduction so far: the final callback waits for them
+        self.accumulated: dict[str, str] = {}  # unit -> its unsharded gradients kept across micro-batches
+        self.reduced: set[str] = set()  # units reduced once already (their sharded gradients exist)
         self.mb = Microbatch(index=0)
 
     def build(self) -> Program:
@@ -72,24 +115,22 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         if self.w == 1:  # no all-gather: the copy happens in wait_for_unshard
             mb.pending[unit] = (None, None)
             return
-        cfg, padded = self.cfg, self.layout.padded[unit]
+        cfg, sizes = self.cfg, self.sizes[unit]
         out = self.label("all_gather_output", unit, mb.index)
-        allocs = [Alloc(label=out, category=Mem.COMM_BUFFERS, bytes=padded * cfg.param_bytes)]
+        allocs = [Alloc(label=out, category=Mem.COMM_BUFFERS, bytes=sizes.gather)]
         frees = []
-        if cfg.param_bytes != cfg.master_bytes:  # copy-in casts the shard to param_dtype first
+        if sizes.cast:  # copy-in casts the shards of the parameters cast to param_dtype first
             cast = self.label("all_gather_input", unit, mb.index)
-            allocs.append(
-                Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=padded // self.w * cfg.param_bytes)
-            )
+            allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=sizes.cast))
             frees.append(cast)
         # the copy-in (the shard into the send buffer, cast to param_dtype) runs just before the
         # collective on the all-gather stream: it is part of this op's time
-        copy_in_s = cfg.costs.copy_s(padded // self.w * max(cfg.param_bytes, cfg.master_bytes))
+        copy_in_s = cfg.costs.copy_s(sizes.copy_in)
         op = self.collective(
             OpKind.ALL_GATHER,
             Stream.ALL_GATHER,
             unit,
-            padded * cfg.param_bytes,
+            sizes.gather,
             GroupKind.SHARD,
             cfg.param_dtype,
             mb=self.mb.index,
@@ -113,7 +154,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             mb.deferred = None
         if not forward and out is not None:
             frees.append(out)
-        nbytes = self.layout.padded[unit] * self.cfg.param_bytes
+        nbytes = self.sizes[unit].gather
         params = self.label("unsharded_params", unit, mb.index)
         # FSDP2's per-unit host work in forward rides on the pre-forward copy-out
         host_s = self.cfg.costs.fsdp_forward_overhead_s if forward else 0.0
@@ -131,8 +172,9 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         if out is not None:
             if forward:
                 mb.deferred = (out, copy_out)
-            else:
-                mb.ag_wait = copy_out
+            # the next all-gather starts after this copy-out: FSDP2 allocates in host order, where
+            # the previous unit's all-gather output is freed here, before the next is allocated
+            mb.ag_wait = copy_out
         mb.unsharded[unit] = params
 
     def _release_deferred(self) -> str | None:
@@ -169,10 +211,14 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
                 frees.append(mb.unsharded.pop(seg.unit))
             if i == last and (released := self._release_deferred()) is not None:
                 frees.append(released)
-            self.forward_segment(i, mb.index, mb, extra_frees=tuple(frees))
+            op = self.forward_segment(i, mb.index, mb, extra_frees=tuple(frees))
             if post_forward:
                 mb.post_forward_order.append(seg.unit)
         mb.post_forward_order.append(ROOT)
+        # the host issues the backward's first all-gathers (the root's pre-backward prefetch) after
+        # the whole forward, whose last transients (the loss's) it has freed by then: FSDP2
+        # allocates in host order, so the all-gather stream waits for the forward's end
+        mb.ag_wait = op
 
     # -- backward --------------------------------------------------------------------------
 
@@ -205,30 +251,43 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
                 self.recompute_block(seg.block, mb.index, mb)  # type: ignore[arg-type]
                 recomputed.add(seg.block)  # type: ignore[arg-type]
             self._pre_backward(seg.unit)
-            grads = self.label("unsharded_grads", seg.unit, mb.index)
-            mb.unsharded_grads[seg.unit].append(grads)
-            grad_bytes = sum(p.numel for p in seg.params) * cfg.param_bytes
-            op = self.backward_segment(
-                i, mb.index, mb, end_allocs=(Alloc(label=grads, category=Mem.GRADS, bytes=grad_bytes),)
-            )
+            grad_bytes = sum(p.numel for p in seg.params if p.trainable) * cfg.param_bytes
+            grads: tuple[Alloc, ...] = ()
+            if grad_bytes or not cfg.finetuned:  # frozen parameters leave no gradient
+                label = self.label("unsharded_grads", seg.unit, mb.index)
+                mb.unsharded_grads[seg.unit].append(label)
+                grads = (Alloc(label=label, category=Mem.GRADS, bytes=grad_bytes),)
+            op = self.backward_segment(i, mb.index, mb, end_allocs=grads)
             if i == self.layout.first_seg[seg.unit] and self.layout.needs_grad[seg.unit]:
-                self._post_backward(seg.unit)
+                self._post_backward(seg.unit, op)
         self._final_callback(op)
 
-    def _post_backward(self, unit: str) -> None:
+    def _post_backward(self, unit: str, after: int) -> None:
         """``post_backward``: the reduce-scatter copy-in on the compute stream, then the
-        reduce-scatter (a copy on one rank) and, for HSDP, the all-reduce across replicas."""
+        reduce-scatter (a copy on one rank) and, for HSDP, the all-reduce across replicas. A unit
+        without gradients (only frozen parameters) just reshards when ``after`` ends."""
         mb = self.mb
         if unit in mb.post_backward_done:
             return
         mb.post_backward_done.add(unit)
         cfg = self.cfg
         self.host(f"fsdp2 post-backward {unit}", unit, mb.index, cfg.costs.fsdp_backward_host_s)
-        padded = self.layout.padded[unit]
+        padded = self.sizes[unit].grad_padded
         shard = padded // self.w
-        frees = list(mb.unsharded_grads.pop(unit))
+        grads = mb.unsharded_grads.pop(unit)
+        frees = list(grads)
         if unit in mb.unsharded:
             frees.append(mb.unsharded.pop(unit))
+        if not padded:  # no gradient: FSDP2 reshards and returns before reducing
+            self.program.add_frees(after, *frees)
+            return
+        if not (cfg.sync_every_microbatch or mb.index == cfg.grad_accum - 1):
+            self._accumulate(unit, frees)
+            return
+        added: list[str] = []
+        if unit in self.accumulated:  # this backward's gradients are added into the kept ones first
+            added = grads
+            frees = [f for f in frees if f not in added] + [self.accumulated.pop(unit)]
         # one reduce-scatter input in flight (set_reduce_scatter_max_input_buffers): the compute
         # stream waits for the previous reduce-scatter and drops its input before allocating this one
         deps, released = [op for op, _ in mb.rs_states], [label for _, label in mb.rs_states]
@@ -247,7 +306,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             mb.index,
             copy_in_s,
             deps=tuple(deps),
-            start_frees=tuple(released),
+            start_frees=(*released, *added),
             allocs=(Alloc(label=rs_input, category=Mem.COMM_BUFFERS, bytes=padded * cfg.reduce_bytes),),
             frees=tuple(frees),
         )
@@ -292,16 +351,39 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         mb.rs_states.append((rs, rs_input))
         self.reductions.append(last)
 
+    def _accumulate(self, unit: str, frees: list[str]) -> None:
+        """``set_requires_gradient_sync(False)``: post-backward reshards and keeps the unsharded
+        gradients (``to_accumulated_grad_if_needed``: cast to ``reduce_dtype`` when it differs), and
+        later micro-batches add theirs into them; one reduction on the last micro-batch."""
+        cfg, mb = self.cfg, self.mb
+        acc_bytes = cfg.reduce_bytes if cfg.reduce_dtype != cfg.param_dtype else cfg.param_bytes
+        nbytes = self.sizes[unit].grad_numel * acc_bytes
+        allocs: tuple[Alloc, ...] = ()
+        if unit not in self.accumulated:
+            self.accumulated[unit] = self.label("accumulated_grads", unit, mb.index)
+            allocs = (Alloc(label=self.accumulated[unit], category=Mem.GRADS, bytes=nbytes),)
+        self.compute(
+            OpKind.COPY,
+            f"accumulate grads {unit}",
+            unit,
+            mb.index,
+            cfg.costs.copy_s(nbytes),
+            allocs=allocs,
+            frees=tuple(frees),
+        )
+
     def _reduce_outputs(self, unit: str, shard: int) -> tuple[tuple[Alloc, ...], tuple[str, ...]]:
-        """The sharded gradients (first micro-batch) and, when cast or accumulated, a separate
-        reduce-scatter output freed once the reduction is done."""
+        """The sharded gradients (the unit's first reduction) and, when cast or accumulated, a
+        separate reduce-scatter output freed once the reduction is done."""
         cfg, mb = self.cfg, self.mb
         allocs, frees = [], []
-        if mb.index == 0:
+        first = unit not in self.reduced
+        self.reduced.add(unit)
+        if first:
             grads = self.label("sharded_grads", unit, mb.index)
             self.grad_labels.append(grads)
             allocs.append(Alloc(label=grads, category=Mem.GRADS, bytes=shard * cfg.master_bytes))
-        if mb.index > 0 or cfg.reduce_bytes != cfg.master_bytes:
+        if not first or cfg.reduce_bytes != cfg.master_bytes:
             out = self.label("reduce_scatter_output", unit, mb.index)
             allocs.append(Alloc(label=out, category=Mem.COMM_BUFFERS, bytes=shard * cfg.reduce_bytes))
             frees.append(out)
@@ -311,7 +393,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         """The root's final callback: pending reductions (root first), the last reduce-scatter
         input dropped, and the compute stream made to wait for every reduction."""
         for unit in [ROOT] + [u.name for u in self.cfg.units if u.name != ROOT]:
-            self._post_backward(unit)
+            self._post_backward(unit, last_op)
         for rs_op, rs_input in self.mb.rs_states:
             self.program.add_frees(rs_op, rs_input)
         self.mb.rs_states = []

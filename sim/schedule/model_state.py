@@ -7,16 +7,19 @@ FSDP2 pads each parameter's dim 0 to a multiple of the shard group (``_get_dim0_
 and keeps fp32 shards of parameters, gradients and every optimizer state; FSDP1 pads each unit's
 ``FlatParameter`` instead (``StepConfig.padded_numel``) and keeps the same fp32 shards; DDP keeps
 all of them whole, plus its gradient buckets (``gradient_as_bucket_view=False``: a second copy of
-the gradients in ``reduce_dtype``).
+the gradients in ``reduce_dtype``). A frozen parameter (LoRA's base, FSDP2 and DDP) is stored in its
+own dtype with no gradient and no optimizer state; QLoRA's quantization state is whole on every rank.
 """
 
 from dataclasses import dataclass
 
 from sim.core.events import MemoryCategory
 from sim.core.program import Alloc
+from sim.dtypes import dtype_bytes
 from sim.schedule.step import StepConfig
 from sim.workload.options import OPTIMIZER_STATES, Strategy
-from sim.workload.units import WrapUnit
+from sim.workload.params import ParamSpec
+from sim.workload.units import WrapUnit, padded_numel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,10 +36,28 @@ class ModelState:
         return self.params + self.grads + self.optimizer
 
 
+def _shard_size(step: StepConfig) -> int:
+    return step.shard_size if step.sharded else 1
+
+
+def stored_bytes(step: StepConfig, p: ParamSpec) -> int:
+    """Bytes per element of a parameter as stored: the master dtype, or a frozen one's own."""
+    return step.master_bytes if p.dtype is None else dtype_bytes(p.dtype)
+
+
 def unit_numel_per_rank(step: StepConfig, unit: WrapUnit) -> int:
-    """Elements of ``unit`` one rank holds: its padded shard under FSDP, all of it under NO_SHARD."""
-    w = step.shard_size if step.sharded else 1
-    return step.padded_numel(unit) // w
+    """Trainable elements of ``unit`` one rank holds (those with gradients and optimizer states):
+    its padded shard under FSDP, all of it under NO_SHARD."""
+    w = _shard_size(step)
+    if step.fsdp1 is not None:  # one FlatParameter (LoRA is modelled for FSDP2 and DDP only)
+        return step.padded_numel(unit) // w
+    return sum(padded_numel(p, w) for p in unit.params if p.trainable) // w
+
+
+def unit_frozen_bytes_per_rank(step: StepConfig, unit: WrapUnit) -> int:
+    """Bytes of ``unit``'s frozen parameters one rank holds, in their own dtypes."""
+    w = _shard_size(step)
+    return sum(padded_numel(p, w) // w * stored_bytes(step, p) for p in unit.params if not p.trainable)
 
 
 def numel_per_rank(step: StepConfig) -> int:
@@ -57,8 +78,9 @@ def model_state(step: StepConfig) -> ModelState:
     numel, b = numel_per_rank(step), step.master_bytes
     if step.fsdp1 is not None and step.fsdp1.offload_params:  # CPUOffload: shards and states on the host
         return ModelState(params=0, grads=numel * b, optimizer=0)
+    frozen = sum(unit_frozen_bytes_per_rank(step, u) for u in step.units) + step.quant_state_bytes
     return ModelState(
-        params=numel * b, grads=numel * b, optimizer=OPTIMIZER_STATES[step.optimizer] * numel * b
+        params=numel * b + frozen, grads=numel * b, optimizer=OPTIMIZER_STATES[step.optimizer] * numel * b
     )
 
 
@@ -84,25 +106,33 @@ def resident_allocs(step: StepConfig) -> list[Alloc]:
     (per unit under FSDP, as each ``fully_shard`` group or ``FlatParameter`` owns its shards), DDP's buckets."""
     b, states = step.master_bytes, OPTIMIZER_STATES[step.optimizer]
     buffers = Alloc(label="buffers", category=MemoryCategory.PARAMS, bytes=step.buffer_bytes)
+    quant = (
+        [Alloc(label="quant_state", category=MemoryCategory.PARAMS, bytes=step.quant_state_bytes)]
+        if step.quant_state_bytes
+        else []
+    )
     if step.zero is not None:
         from sim.schedule.zero_state import zero_resident_allocs
 
         return [buffers, *zero_resident_allocs(step)]
     if step.ddp:
         numel = numel_per_rank(step)
+        frozen = sum(unit_frozen_bytes_per_rank(step, u) for u in step.units)
         return [
-            Alloc(label="params", category=MemoryCategory.PARAMS, bytes=numel * b),
+            Alloc(label="params", category=MemoryCategory.PARAMS, bytes=numel * b + frozen),
             buffers,
+            *quant,
             Alloc(label="optimizer", category=MemoryCategory.OPTIMIZER, bytes=states * numel * b),
             Alloc(label="ddp_buckets", category=MemoryCategory.COMM_BUFFERS, bytes=ddp_bucket_bytes(step)),
         ]
-    allocs = [buffers]
+    allocs = [buffers, *quant]
     if step.fsdp1 is not None and step.fsdp1.offload_params:
         return allocs  # CPUOffload: the shards and the optimizer states live in pinned host memory
     for unit in step.units:
         numel = unit_numel_per_rank(step, unit)
-        allocs.append(Alloc(label=f"param:{unit.name}", category=MemoryCategory.PARAMS, bytes=numel * b))
-        if states:
+        nbytes = numel * b + unit_frozen_bytes_per_rank(step, unit)
+        allocs.append(Alloc(label=f"param:{unit.name}", category=MemoryCategory.PARAMS, bytes=nbytes))
+        if states and numel:
             allocs.append(
                 Alloc(label=f"optim:{unit.name}", category=MemoryCategory.OPTIMIZER, bytes=states * numel * b)
             )
@@ -110,15 +140,17 @@ def resident_allocs(step: StepConfig) -> list[Alloc]:
 
 
 def deepspeed_convention_bytes(
-    n_params: int, strategy: Strategy, shard: int, zero_stage: int | None = None
+    n_params: int, strategy: Strategy, shard: int, zero_stage: int | None = None, frozen: int = 0
 ) -> int:
     """The ZeRO paper's count (Rajbhandari et al. 2020, Sec. 3.1): 2Φ fp16 params + 2Φ grads +
     12Φ fp32 master/momentum/variance, partitioned by stage (P_os: 4Φ + 12Φ/N; P_os+g: 2Φ + 14Φ/N;
-    P_os+g+p: 16Φ/N). Not what FSDP2 allocates (see README)."""
+    P_os+g+p: 16Φ/N). Not what FSDP2 allocates (see README). ``frozen`` of the ``n_params``
+    (LoRA's base) count their 2Φ fp16 weights only, partitioned with the parameters."""
+    t = n_params - frozen
     if zero_stage == 1:
-        return 4 * n_params + 12 * n_params // shard
+        return 4 * t + 12 * t // shard + 2 * frozen
     if strategy is Strategy.NO_SHARD:
-        return 16 * n_params
+        return 16 * t + 2 * frozen
     if strategy in (Strategy.SHARD_GRAD_OP, Strategy.HYBRID_SHARD_ZERO2) or zero_stage == 2:
-        return 2 * n_params + 14 * n_params // shard
-    return 16 * n_params // shard
+        return 2 * t + 14 * t // shard + 2 * frozen
+    return (16 * t + 2 * frozen) // shard

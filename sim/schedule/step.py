@@ -48,6 +48,11 @@ class StepConfig:
     host: HostCosts | None = None  # offload's transfers and the optimizer on the host
     grad_scaler: bool = False  # ShardedGradScaler (GradScaler under DDP) around the step
 
+    quant_state_bytes: int = 0  # QLoRA's quantization state, whole on every rank
+    # False: gradient accumulation without synchronisation (FSDP2 set_requires_gradient_sync(False),
+    # DDP no_sync) on every micro-batch but the last
+    sync_every_microbatch: bool = True
+
     @property
     def host_costs(self) -> HostCosts:
         assert self.host is not None, "build_step sets the host costs"
@@ -71,6 +76,11 @@ class StepConfig:
         if self.fsdp1 is not None:
             return "FSDP1"
         return "DDP" if self.ddp else "FSDP2"
+
+    @property
+    def finetuned(self) -> bool:
+        """Some parameters are frozen (LoRA, QLoRA)."""
+        return any(not p.trainable for u in self.units for p in u.params)
 
     @property
     def hybrid(self) -> bool:

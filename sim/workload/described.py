@@ -9,10 +9,12 @@ sequence length and dtype; the scenario loader measures at the scenario's.
 """
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import cache
 
 from sim.errors import UserError
 from sim.workload.description import DescribedOp, ModelDescription
+from sim.workload.finetune import FinetuneFacts, dequant_bytes, dequant_transient_bytes
 from sim.workload.layers import (
     AttentionShape,
     LayerKind,
@@ -48,7 +50,9 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
         v_head_dim=a.v_head_dim if a.v_head_dim != a.head_dim else None,
         window=a.window,
     )
-    flops, saved, fwd, bwd = attention_kernel_figures(shape, w, output_saved=False)
+    flops, saved, fwd, bwd = attention_kernel_figures(shape, w, output_saved=not a.output_counted)
+    # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)
+    backward_flops = None if base.backward_flops is None else base.backward_flops + 2.0 * flops
     return LayerOp(
         name=base.name,
         module=base.module,
@@ -57,11 +61,39 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
         params=base.params,
         flops=base.flops + flops,
         memory_bytes=base.memory_bytes,
-        saved_bytes=base.saved_bytes + saved,
+        saved_bytes=base.saved_bytes + saved + a.extra_saved_bytes,
         forward_transient_bytes=base.forward_transient_bytes + fwd,
         backward_transient_bytes=base.backward_transient_bytes + bwd,
         attention=shape,
         host_ops=base.host_ops,
+        backward_gemms=base.backward_gemms,
+        backward_flops=backward_flops,
+        backward_memory_bytes=base.backward_memory_bytes,
+    )
+
+
+def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
+    """QLoRA: the op's 4-bit weights dequantized before its forward matmul and, when its backward
+    computes the input's gradient (a matmul there), again before that one
+    (``sim.workload.finetune``)."""
+    numels = [p.quantized_numel for p in op.params if p.quantized_numel]
+    if not numels:
+        return op
+    a, dq = w.act_bytes, facts.double_quant
+    moved = sum(dequant_bytes(n, a, dq) for n in numels)
+    backward = bool(op.backward_gemms)
+    # PEFT's lora.Linear4bit clones the base layer's output ("defensively", bnb.py): one more
+    # read and write of it (its peak is no higher than the add that follows in the bf16 trace)
+    if op.module.endswith(".base_layer") and op.gemm is not None:
+        moved += 2 * op.gemm[0] * op.gemm[1] * a
+    return replace(
+        op,
+        memory_bytes=op.memory_bytes + moved,
+        forward_transient_bytes=op.forward_transient_bytes
+        + sum(dequant_transient_bytes(n, a, dq, backward=False) for n in numels),
+        backward_memory_bytes=(op.backward_memory_bytes or 0.0) + (moved if backward else 0.0),
+        backward_transient_bytes=op.backward_transient_bytes
+        + (sum(dequant_transient_bytes(n, a, dq, backward=True) for n in numels) if backward else 0),
     )
 
 
@@ -81,6 +113,9 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload) -> Laye
         gemm=op.gemms[0][:3] if single else None,
         grouped_gemms=() if single else op.gemms,
         host_ops=op.host_ops,
+        backward_gemms=op.backward_gemms,
+        backward_flops=op.backward_flops,
+        backward_memory_bytes=op.backward_memory_bytes,
     )
     return _attention_op(op, base, w) if op.attention is not None else base
 
@@ -103,4 +138,7 @@ def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
 def described_layer_ops(d: ModelDescription, w: Workload) -> tuple[LayerOp, ...]:
     _check_workload(d, w)
     specs = {s.name: s for s in d.params}
-    return tuple(_with_sac([_layer_op(op, specs, w) for op in d.ops], w))
+    ops = [_layer_op(op, specs, w) for op in d.ops]
+    if d.finetune is not None and d.finetune.quantized:
+        ops = [_dequantized(op, d.finetune, w) for op in ops]
+    return tuple(_with_sac(ops, w))

@@ -1,6 +1,6 @@
 """A model described by its measured ops: what ``hfmodel`` extracts from a Hugging Face config.
 
-The description (JSON, ``version`` 1) is written on the torch side (``hfmodel.describe``) and read
+The description (JSON, ``version`` 2) is written on the torch side (``hfmodel.describe``) and read
 here without torch. It holds:
 - ``params``: every parameter as ``transformers`` builds it on the meta device (name, shape,
   registration order, a tied weight once), and ``buffer_bytes`` (module buffers, unsharded);
@@ -12,7 +12,12 @@ here without torch. It holds:
   parameters it owns, forward FLOPs, the (M, N, K, count) of its matmuls, bytes moved by its
   elementwise work, saved-activation bytes, forward and backward transients and Python-level
   calls; an attention op also carries its call's shape (the kernel's own work is added per kernel
-  by ``sim.workload.layers.attention_kernel_figures``, since it depends on the hardware).
+  by ``sim.workload.layers.attention_kernel_figures``, since it depends on the hardware); and
+  what its backward runs, measured: the matmuls autograd issues (a frozen weight has no weight
+  gradient; an op whose input needs no gradient either has none at all), their FLOPs, and the
+  bytes its elementwise backward moves;
+- ``finetune`` (null for full training): the LoRA settings PEFT applied, the frozen parameters
+  and, for QLoRA, the weights stored in 4 bits (``sim.workload.finetune``).
 """
 
 import json
@@ -20,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sim.errors import UserError
+from sim.workload.finetune import FinetuneFacts, finetuned_params
 from sim.workload.params import ParamSpec
 
-DESCRIPTION_VERSION = 1
+DESCRIPTION_VERSION = 2
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -38,6 +44,8 @@ class AttentionCall:
     v_head_dim: int
     causal: bool = True
     window: int | None = None
+    output_counted: bool = True  # the model's ops already save the output (a projection keeps it)
+    extra_saved_bytes: int = 0  # saving q, k, v keeps the rest of the storages they view
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +63,9 @@ class DescribedOp:
     gemms: tuple[tuple[int, int, int, int], ...] = ()
     attention: AttentionCall | None = None
     host_ops: int = 0
+    backward_flops: float = 0.0
+    backward_memory_bytes: float = 0.0
+    backward_gemms: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +101,7 @@ class ModelDescription:
     dtype: str
     ops: tuple[DescribedOp, ...]
     config_json: str = "{}"  # the config.json itself, so that validation builds the same model
+    finetune: FinetuneFacts | None = None
     key: str = field(default="")
 
     def __hash__(self) -> int:
@@ -137,6 +149,8 @@ def _op(raw: Any, where: str) -> DescribedOp:
             **{k: a.get(k, int) for k in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "v_head_dim")},
             causal=a.get("causal", bool),
             window=att.get("window"),
+            output_counted=a.get("output_counted", bool),
+            extra_saved_bytes=a.get("extra_saved_bytes", int),
         )
     return DescribedOp(
         name=r.get("name", str),
@@ -152,11 +166,44 @@ def _op(raw: Any, where: str) -> DescribedOp:
         gemms=_gemms(r.get("gemms", list), where),
         attention=call,
         host_ops=r.get("host_ops", int),
+        backward_flops=float(r.get("backward_flops", (int, float))),
+        backward_memory_bytes=float(r.get("backward_memory_bytes", (int, float))),
+        backward_gemms=_gemms(r.get("backward_gemms", list), where),
     )
 
 
-def description_key(config_sha256: str, micro_batch: int, seq_len: int, dtype: str) -> str:
-    return f"{config_sha256}:{micro_batch}:{seq_len}:{dtype}:v{DESCRIPTION_VERSION}"
+def _finetune(raw: Any, where: str) -> FinetuneFacts | None:
+    if raw is None:
+        return None
+    r = _Reader(raw, f"{where}: finetune")
+    targets = raw.get("target_modules")
+    return FinetuneFacts(
+        method=r.get("method", str),
+        rank=r.get("rank", int),
+        alpha=float(r.get("alpha", (int, float))),
+        dropout=float(r.get("dropout", (int, float))),
+        target_modules=tuple(targets) if isinstance(targets, list) else targets,
+        frozen=frozenset(r.get("frozen", list)),
+        quantized=frozenset(r.get("quantized", list)),
+        quant_storage=raw.get("quant_storage", "bf16"),
+        double_quant=bool(raw.get("double_quant", True)),
+    )
+
+
+def finetune_key(finetune: dict[str, Any] | None) -> str:
+    """A short content key of the fine-tuning settings a description was measured with."""
+    if not finetune or finetune.get("method", "full") == "full":
+        return "full"
+    import hashlib
+
+    settings = {k: v for k, v in finetune.items() if k not in ("frozen", "quantized")}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def description_key(
+    config_sha256: str, micro_batch: int, seq_len: int, dtype: str, finetune: dict[str, Any] | None = None
+) -> str:
+    return f"{config_sha256}:{micro_batch}:{seq_len}:{dtype}:{finetune_key(finetune)}:v{DESCRIPTION_VERSION}"
 
 
 def parse_description(data: Any, where: str) -> ModelDescription:
@@ -177,6 +224,9 @@ def parse_description(data: Any, where: str) -> ModelDescription:
         m.get("seq_len", int),
         m.get("dtype", str),
     )
+    finetune = _finetune(data.get("finetune"), where)
+    if finetune is not None:
+        params = finetuned_params(params, finetune, dtype)
     return ModelDescription(
         name=r.get("name", str),
         model_type=r.get("model_type", str),
@@ -197,7 +247,8 @@ def parse_description(data: Any, where: str) -> ModelDescription:
         dtype=dtype,
         ops=ops,
         config_json=json.dumps(r.get("config", dict), sort_keys=True),
-        key=description_key(sha, mb, seq, dtype),
+        finetune=finetune,
+        key=description_key(sha, mb, seq, dtype, data.get("finetune")),
     )
 
 

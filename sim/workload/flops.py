@@ -65,7 +65,13 @@ def _described_recompute(d: ModelDescription, seq_len: int, plan: CheckpointPlan
 
 
 def model_flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    """torchtitan's and PaLM's 6·N + 12·L·H·Q·T."""
+    """torchtitan's and PaLM's 6·N + 12·L·H·Q·T. Fine-tuned with LoRA, the matmuls the step
+    needs as measured: every forward one and the backward ones autograd runs (no weight gradient
+    for a frozen weight, so about 4·N + the adapters' 6·N_A), and the attention's three passes."""
+    d = model.description
+    if d is not None and d.finetune is not None:
+        matmuls = sum(op.flops + op.backward_flops for op in d.ops) / _tokens(d)
+        return matmuls + 3.0 * attention_flops_per_token(model, seq_len)
     return 6.0 * matmul_params(model) + 3.0 * attention_flops_per_token(model, seq_len)
 
 

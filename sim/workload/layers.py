@@ -126,6 +126,12 @@ class LayerOp:
     # the op computes its input's and weight's gradients in its forward (a fused linear
     # cross-entropy): its backward matmuls run in forward, and its backward only scales them
     gradients_in_forward: bool = False
+    # what the backward runs, where measured (a described model): its matmuls (M, N, K, count),
+    # FLOPs (the attention kernel's included) and elementwise bytes; None: the analytic backward
+    # (an input- and a weight-gradient matmul per forward matmul, ``backward_memory_factor``)
+    backward_gemms: tuple[tuple[int, int, int, int], ...] | None = None
+    backward_flops: float | None = None
+    backward_memory_bytes: float | None = None
 
     @cached_property
     def group(self) -> CalibrationGroup | None:

@@ -156,4 +156,5 @@ def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
 
 @cache
 def n_params(cfg: ModelConfig) -> int:
-    return sum(s.numel for s in param_specs(cfg))
+    """Parameters of the model (a QLoRA weight by the elements it packs, not its packed storage)."""
+    return sum(s.quantized_numel or s.numel for s in param_specs(cfg))

@@ -118,3 +118,12 @@ class ZeroOptions:
     loss_scaling: bool = False  # fp16: dynamic loss scaling (overflow check, unscale)
     offload_optimizer: OffloadDevice = OffloadDevice.NONE
     offload_param: OffloadDevice = OffloadDevice.NONE
+
+
+class FinetuneMethod(StrEnum):
+    """What a step trains: every parameter, or LoRA adapters over a frozen base (bf16, or 4-bit
+    NF4 for QLoRA)."""
+
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"

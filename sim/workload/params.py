@@ -6,10 +6,18 @@ from math import prod
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter: its fully qualified name (as in HF) and shape."""
+    """One parameter: its fully qualified name (as in HF) and shape.
+
+    Fine-tuning (``sim.workload.finetune``) marks a frozen one (no gradient, no optimizer state)
+    and the dtype it is stored in (None: the master dtype every trainable parameter has); a
+    QLoRA weight is its packed 4-bit storage, ``shape`` as bitsandbytes' ``Params4bit`` holds it
+    (``quantized_numel`` the elements it packs)."""
 
     name: str
     shape: tuple[int, ...]
+    trainable: bool = True
+    dtype: str | None = None
+    quantized_numel: int = 0
 
     @property
     def numel(self) -> int:

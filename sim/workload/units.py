@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cache
 from math import ceil, prod
 
-from sim.workload.layers import LayerKind, LayerOp
+from sim.workload.layers import LayerOp
 from sim.workload.model import ModelConfig, ParamSpec, layer_prefix, param_specs
 from sim.workload.options import WrapPolicy
 
@@ -151,8 +151,11 @@ def build_segments(ops: Sequence[LayerOp], units: Sequence[WrapUnit]) -> list[Se
 
 
 def input_needs_grad(unit: WrapUnit, segments: Sequence[Segment]) -> bool:
-    """False for units whose forward input is the token ids: they reduce in the final callback."""
+    """Whether the unit's forward input requires a gradient, i.e. some trainable parameter runs
+    before it (FSDP2 registers its post-backward hook on inputs that require one). False for the
+    unit whose input is the token ids and, under LoRA, for the first blocks before any adapter:
+    they reduce in the final callback."""
     if unit.is_root:
         return False
-    first = next(s for s in segments if s.unit == unit.name)
-    return first.ops[0].kind is not LayerKind.EMBED
+    first = next(i for i, s in enumerate(segments) if s.unit == unit.name)
+    return any(p.trainable for s in segments[:first] for p in s.params)
