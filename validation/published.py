@@ -27,8 +27,10 @@ TORCHTITAN = (
 IBM = "PyTorch/IBM blog 'Maximizing training throughput using PyTorch FSDP' (2024), 128 x A100, 400 Gb/s network"
 TORCHTITAN_NOTE = "network not published: the built-in dgx-a100 cluster (8 x 200 Gb/s HDR per node, rail-optimized) is assumed"
 IBM_NOTE = (
-    "FSDP1 in the source, simulated as FSDP2 (FSDP1 is not modelled yet); the 400 Gb/s network read as "
-    "400 Gb/s per node: dgx-a100 nodes with 4 x 100 Gb/s NICs (cluster.nics_per_node, cluster.nic_gbps)"
+    "FSDP1 as the source ran it (foundation-model-stack/fms-fsdp@b9df76a, the blog's code: "
+    "FullyShardedDataParallel with MixedPrecision bf16 param, reduce and buffer dtypes, limit_all_gathers, "
+    "use_orig_params=False, the default BACKWARD_PRE); the 400 Gb/s network read as 400 Gb/s per node: "
+    "dgx-a100 nodes with 4 x 100 Gb/s NICs (cluster.nics_per_node, cluster.nic_gbps)"
 )
 
 
@@ -67,6 +69,9 @@ def _titan(name: str, preset: str, mb: int, seq: int, ckpt: str, sel: Any, tps: 
 
 def _ibm(name: str, tables: dict[str, Any], tps: float) -> PublishedRun:
     tables["cluster"].update(nics_per_node=4, nic_gbps=100.0)
+    tables["parallel"].update(fsdp_version=1)  # fms-fsdp main_training.py: FSDP(...)
+    tables["precision"].update(reduce_dtype="bf16", buffer_dtype="bf16")  # fms_fsdp/policies bfSixteen
+    tables["fsdp1"] = {"limit_all_gathers": True, "use_orig_params": False, "backward_prefetch": "BACKWARD_PRE"}
     return PublishedRun(
         name=f"IBM {name}", source=IBM, tables=tables, tokens_per_s_per_gpu=tps, note=IBM_NOTE
     )
