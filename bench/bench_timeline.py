@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from browser import DevTools, find_chromium, synthetic_table  # noqa: E402
 
 from sim.outputs.chrome_trace import write_chrome_trace, write_chrome_trace_per_rank  # noqa: E402
-from sim.outputs.timeline import write_timeline_html  # noqa: E402
+from sim.outputs.timeline import DeviceLines, write_timeline_html  # noqa: E402
 
 MAX_HTML_BYTES = 20e6
 MAX_OPEN_S = 5.0
@@ -38,7 +38,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         html = Path(tmp) / "step.html"
         t0 = time.perf_counter()
-        write_timeline_html(table, html, title="bench", device_memory_bytes=80 << 30)
+        write_timeline_html(table, html, title="bench", device=DeviceLines(memory_bytes=80 << 30))
         size = html.stat().st_size
         print(f"timeline: {size / 1e6:.2f} MB written in {time.perf_counter() - t0:.1f} s")
         ok &= size < MAX_HTML_BYTES

@@ -108,3 +108,25 @@ def test_expandable_segments_reserve_less_than_fixed_segments() -> None:
     )
     assert expandable.peak_memory_bytes == cached.peak_memory_bytes
     assert expandable.peak_reserved_bytes < cached.peak_reserved_bytes
+
+
+def test_reserved_curve_covers_the_allocated_bytes_at_every_record():
+    """After every allocation and free the reserved bytes hold at least the live bytes (rounded
+    blocks live in reserved segments), its highest point is ``peak_reserved_bytes``, and with
+    ``expandable_segments`` it never goes down."""
+    from sim.outputs.allocator import peak_reserved_bytes, reserved_curve
+    from sim.scenario.loader import load_scenario
+    from sim.simulate import simulate
+
+    result = simulate(load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "tiny.toml"))
+    table, capacity = result.events, 80 << 30
+    curve = reserved_curve(table, 0, capacity)
+    live = 0
+    records = list(table.memory_of(0))
+    assert len(curve.reserved_bytes) == len(records)
+    for rec, reserved in zip(records, curve.reserved_bytes, strict=True):
+        live += rec.delta_bytes
+        assert reserved >= live >= 0
+    assert curve.peak_bytes() == peak_reserved_bytes(table, 0, capacity)
+    grown = reserved_curve(table, 0, capacity, expandable=True).reserved_bytes
+    assert all(b >= a for a, b in zip(grown, grown[1:], strict=False))

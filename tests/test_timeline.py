@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from sim.core.events import OpKind
-from sim.outputs.intervals import exposed_comm_intervals, union_length
+from sim.outputs.intervals import exposed_comm_intervals, step_time, union_length
 from sim.outputs.report import build_report
-from sim.outputs.timeline import KIND_COLOURS, timeline_figure, write_timeline_html
+from sim.outputs.timeline import KIND_COLOURS, DeviceLines, timeline_figure, write_timeline_html
 from sim.study.sweep.plots import pareto_front, write_sweep_plots
 
 try:
@@ -52,7 +52,7 @@ def test_bars_lanes_and_exposed_spans_come_from_the_table():
 
 def test_representative_ranks_for_many_ranks():
     table = synthetic_table(32, 4)
-    fig = timeline_figure(table, title="t", device_memory_bytes=80 << 30)
+    fig = timeline_figure(table, title="t", device=DeviceLines(memory_bytes=80 << 30))
     labels = [b.label for b in fig.layout.updatemenus[0].buttons]
     assert labels == ["all shown ranks", "rank 0", "rank 1 (slowest)", labels[3]]
     assert labels[3].endswith("(fastest)")
@@ -60,6 +60,49 @@ def test_representative_ranks_for_many_ranks():
     peaks = [t for t in fig.data if t.name and t.name.startswith("peak")]
     assert len(peaks) == 3 and sum(bool(t.visible) for t in peaks) == 1
     assert any(t.name == "device memory 80.00 GiB" for t in fig.data)
+
+
+def device_lines(result):
+    from sim.outputs.report import device_overhead_bytes, reserved_of
+
+    return DeviceLines(
+        memory_bytes=result.profile.device.memory_bytes,
+        reserved_of=lambda rank: reserved_of(result, rank),
+        overhead_of=lambda rank: device_overhead_bytes(result, rank),
+    )
+
+
+def test_reserved_and_device_lines_are_the_reports_figures():
+    """On a CUDA profile the memory row draws the allocator's reserved curve and reserved + context
+    + NCCL; their highest points are the report's peak_reserved_bytes and required_bytes (what
+    ``fits`` is judged on), and they sit at or above the allocated curve at every instant."""
+    from sim.scenario.loader import load_scenario
+    from sim.simulate import simulate
+
+    result = simulate(load_scenario(SCENARIOS / "tiny.toml"))
+    report = build_report(result)
+    fig = timeline_figure(result.events, title="t", device=device_lines(result))
+    reserved = [t for t in fig.data if t.name and t.name.startswith("reserved (")]
+    whole = [t for t in fig.data if t.name and t.name.startswith("reserved + context + NCCL (")]
+    assert len(reserved) == len(whole) == 1
+    gib = 2**30
+    assert max(reserved[0].y) * gib == pytest.approx(report.peak_reserved_bytes, rel=1e-12)
+    assert max(whole[0].y) * gib == pytest.approx(report.required_bytes, rel=1e-12)
+    assert report.device_overhead_bytes > 0
+    # both lines span the step and are drawn for the rank whose allocated memory is drawn
+    end_ms = step_time(result.events) * 1e3
+    assert reserved[0].x[0] == 0 and reserved[0].x[-1] == pytest.approx(end_ms)
+    assert reserved[0].visible is not False and whole[0].visible is not False
+
+
+def test_no_reserved_lines_without_a_caching_allocator():
+    """A CPU host (gloo) has no caching allocator: ``reserved_of`` gives None and nothing is drawn."""
+    table = synthetic_table(2, 3)
+    fig = timeline_figure(
+        table, title="t", device=DeviceLines(memory_bytes=1 << 30, reserved_of=lambda r: None)
+    )
+    assert not [t for t in fig.data if t.name and t.name.startswith("reserved")]
+    assert traces_named(fig, "device memory 1.00 GiB")
 
 
 def test_single_simulated_rank_and_comparison():
@@ -114,7 +157,7 @@ def test_large_step_file_is_small(tmp_path):
     """256 distinct ranks × 80 layers: only representative ranks are drawn, so the file stays small."""
     table = synthetic_table(256, 80)
     path = tmp_path / "big.html"
-    write_timeline_html(table, path, title="big", device_memory_bytes=80 << 30)
+    write_timeline_html(table, path, title="big", device=DeviceLines(memory_bytes=80 << 30))
     assert path.stat().st_size < 20e6
 
 
@@ -152,7 +195,7 @@ def test_timeline_renders_in_chromium(browser, tmp_path):
         table,
         path,
         title="step",
-        device_memory_bytes=80 << 30,
+        device=DeviceLines(memory_bytes=80 << 30),
         compare=("other", synthetic_table(4, 6, seed=3)),
     )
     report = browser.load(path)
@@ -177,12 +220,7 @@ def test_real_scenario_timeline_renders(browser, tmp_path):
 
     result = simulate(load_scenario(SCENARIOS / "tiny.toml"))
     path = tmp_path / "tiny.html"
-    write_timeline_html(
-        result.events,
-        path,
-        title="tiny",
-        device_memory_bytes=build_report(result).to_json()["device_memory_bytes"],
-    )
+    write_timeline_html(result.events, path, title="tiny", device=device_lines(result))
     assert_rendered(browser.load(path))
 
 

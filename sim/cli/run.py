@@ -51,13 +51,19 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 
 def _write_timeline(args: argparse.Namespace, result: SimResult, other: SimResult | None) -> None:
-    from sim.outputs.timeline import write_timeline_html
+    from sim.outputs.report import device_overhead_bytes, reserved_of
+    from sim.outputs.timeline import DeviceLines, write_timeline_html
 
+    device = DeviceLines(
+        memory_bytes=result.profile.device.memory_bytes,
+        reserved_of=lambda rank: reserved_of(result, rank),
+        overhead_of=lambda rank: device_overhead_bytes(result, rank),
+    )
     write_timeline_html(
         result.events,
         args.timeline,
         title=f"{args.scenario}",
-        device_memory_bytes=result.profile.device.memory_bytes,
+        device=device,
         compare=(" ".join(args.compare), other.events) if other else None,
     )
     print(f"timeline written to {args.timeline}", file=sys.stderr)

@@ -146,12 +146,13 @@ def _page(small: bool) -> int:
     return SMALL_BUFFER if small else LARGE_BUFFER
 
 
-def expandable_peak(records: list[MemoryRecord]) -> int:
-    """Peak reserved with ``expandable_segments``: each pool's live bytes rounded up to its pages."""
+def expandable_steps(records: list[MemoryRecord]) -> list[int]:
+    """Reserved bytes after each record with ``expandable_segments``: each pool's live bytes rounded
+    up to its pages, never given back."""
     streams: dict[str, tuple[Stream, bool, int]] = {}
     live: dict[tuple[Stream, bool], int] = {}
     reserved: dict[tuple[Stream, bool], int] = {}
-    peak = 0
+    out = []
     for rec in records:
         if rec.delta_bytes > 0:
             size = round_size(rec.delta_bytes)
@@ -163,14 +164,25 @@ def expandable_peak(records: list[MemoryRecord]) -> int:
         live[key] = live.get(key, 0) + size
         page = _page(key[1])
         reserved[key] = max(reserved.get(key, 0), page * math.ceil(live[key] / page))
-        peak = max(peak, sum(reserved.values()))
-    return peak
+        out.append(sum(reserved.values()))
+    return out
 
 
-def peak_reserved_bytes(
+@dataclass(frozen=True, kw_only=True)
+class ReservedCurve:
+    """The caching allocator's reserved bytes on one rank after every allocation and free."""
+
+    times_s: tuple[float, ...]
+    reserved_bytes: tuple[int, ...]
+
+    def peak_bytes(self) -> int:
+        return max(self.reserved_bytes, default=0)
+
+
+def reserved_curve(
     table: EventTable, rank: int, capacity_bytes: int, *, expandable: bool = False, workspace_bytes: int = 0
-) -> int:
-    """The caching allocator's peak reserved bytes on ``rank``, the cuBLAS workspace included (it
+) -> ReservedCurve:
+    """The caching allocator replayed over ``rank``'s allocations, the cuBLAS workspace first (it
     is allocated through the allocator, once per stream that runs matmuls: the compute stream)."""
     records = list(table.memory_of(rank))
     if workspace_bytes:
@@ -182,15 +194,28 @@ def peak_reserved_bytes(
             label="cublas_workspace",
         )
         records.insert(0, workspace)
+    times = tuple(r.time_s for r in records)
     if expandable:
-        return expandable_peak(records)
+        return ReservedCurve(times_s=times, reserved_bytes=tuple(expandable_steps(records)))
     allocator = CachingAllocator(capacity_bytes)
+    reserved = []
     for rec in records:
         if rec.delta_bytes > 0:
             allocator.malloc(rec.label, rec.delta_bytes, rec.stream)
         else:
             allocator.free(rec.label)
-    return allocator.peak_reserved
+        reserved.append(allocator.reserved)
+    return ReservedCurve(times_s=times, reserved_bytes=tuple(reserved))
+
+
+def peak_reserved_bytes(
+    table: EventTable, rank: int, capacity_bytes: int, *, expandable: bool = False, workspace_bytes: int = 0
+) -> int:
+    """The caching allocator's peak reserved bytes on ``rank`` (``reserved_curve``'s highest)."""
+    curve = reserved_curve(
+        table, rank, capacity_bytes, expandable=expandable, workspace_bytes=workspace_bytes
+    )
+    return curve.peak_bytes()
 
 
 def nccl_buffer_bytes(channels: int, ring_peers: int = 2) -> int:

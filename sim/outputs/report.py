@@ -12,7 +12,7 @@ from typing import Any
 
 from sim.core.events import EventTable, MemoryCategory, OpKind
 from sim.costs.nccl import runtime_channels
-from sim.outputs.allocator import nccl_buffer_bytes, peak_reserved_bytes
+from sim.outputs.allocator import ReservedCurve, nccl_buffer_bytes, reserved_curve
 from sim.outputs.intervals import Breakdown, rank_breakdown, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curve
 from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, host_bytes, model_state
@@ -218,23 +218,41 @@ def communicator_channels(result: SimResult, rank: int) -> int:
     return sum(runtime_channels(network.fabric(m)) for m in members if len(m) > 1)
 
 
-def device_memory(result: SimResult, rank: int, peak_allocated_bytes: int) -> dict[str, Any]:
-    """``peak_reserved_bytes`` and ``device_overhead_bytes`` of ``rank``: on a CUDA device the
-    caching allocator's replay (with the cuBLAS workspace) and the context and NCCL buffers; on a
-    host without a caching allocator (gloo, CPU), the allocated peak and nothing more."""
+def reserved_of(result: SimResult, rank: int) -> ReservedCurve | None:
+    """The caching allocator's reserved bytes of ``rank`` over the step (with the cuBLAS
+    workspace); None on a host without a caching allocator (gloo, CPU)."""
     profile = result.profile
     if profile.backend.name != "nccl":
-        return {"peak_reserved_bytes": peak_allocated_bytes, "device_overhead_bytes": 0}
+        return None
     device = profile.device
-    reserved = peak_reserved_bytes(
+    return reserved_curve(
         result.events,
         rank,
         device.memory_bytes - device.context_bytes,
         expandable=result.scenario.cluster.expandable_segments,
         workspace_bytes=device.cublas_workspace_bytes,
     )
-    nccl = nccl_buffer_bytes(communicator_channels(result, rank))
-    return {"peak_reserved_bytes": reserved, "device_overhead_bytes": device.context_bytes + nccl}
+
+
+def device_overhead_bytes(result: SimResult, rank: int) -> int:
+    """What the device holds outside the caching allocator on ``rank``: the CUDA context and NCCL's
+    communicator buffers (0 on a CPU host)."""
+    if result.profile.backend.name != "nccl":
+        return 0
+    return result.profile.device.context_bytes + nccl_buffer_bytes(communicator_channels(result, rank))
+
+
+def device_memory(result: SimResult, rank: int, peak_allocated_bytes: int) -> dict[str, Any]:
+    """``peak_reserved_bytes`` and ``device_overhead_bytes`` of ``rank``: on a CUDA device the
+    caching allocator's replay (with the cuBLAS workspace) and the context and NCCL buffers; on a
+    host without a caching allocator (gloo, CPU), the allocated peak and nothing more."""
+    curve = reserved_of(result, rank)
+    if curve is None:
+        return {"peak_reserved_bytes": peak_allocated_bytes, "device_overhead_bytes": 0}
+    return {
+        "peak_reserved_bytes": curve.peak_bytes(),
+        "device_overhead_bytes": device_overhead_bytes(result, rank),
+    }
 
 
 def _rank_figures(table: EventTable, curves: dict[int, MemoryCurve], step_s: float) -> dict[int, RankFigures]:

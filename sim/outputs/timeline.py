@@ -9,19 +9,22 @@ kind (WebGL ``Scattergl`` line segments separated by gaps, so thousands of ops s
 segment before a collective is its wait for the slowest rank; translucent red spans on the compute
 lane mark exposed communication (a collective ran and the compute stream was empty). Below, on the
 same time axis, the memory of one rank as a stacked step curve by category, its peak marked and
-broken down in the hover, and the device memory as a line. With 16 ranks or more only representative
+broken down in the hover, and the device memory as a line; on a CUDA device also the caching
+allocator's reserved bytes and what the device holds in all (reserved + CUDA context + NCCL
+buffers, the figure ``fits`` is judged on) as lines over the same step. With 16 ranks or more only representative
 ranks are drawn (rank 0, the slowest, the fastest), with a selector that focuses one of them and shows
 its memory. A comparison table is drawn as a second block of lanes on the same time axis.
 """
 
 import html
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sim.core.events import EventTable, MemoryCategory, OpKind, OpRecord, Stream
 from sim.fileio import write_text_atomic
+from sim.outputs.allocator import ReservedCurve
 from sim.outputs.display import BYTES_PER_GIB, MS_PER_S, fmt_bytes
 from sim.outputs.intervals import exposed_comm_intervals, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curves
@@ -72,6 +75,16 @@ class Lanes:
     y: dict[tuple[int, Stream], int]
     ticks: list[tuple[int, str]]
     spans: dict[int, tuple[int, int]]  # simulated rank -> (first y, last y)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceLines:
+    """What the memory row draws beyond the allocated tensors: the device's memory, and per rank
+    the caching allocator's reserved curve and the bytes held outside it (context, NCCL)."""
+
+    memory_bytes: int | None = None
+    reserved_of: Callable[[int], ReservedCurve | None] | None = None
+    overhead_of: Callable[[int], int] | None = None
 
 
 def shown_ranks(
@@ -283,6 +296,40 @@ def memory_traces(
     return out
 
 
+def reserved_traces(
+    curve: ReservedCurve, overhead_bytes: int, end_s: float, label: str, row: int, visible: bool
+) -> list[tuple[Any, int]]:
+    """The reserved bytes as a step line, and reserved + what lies outside the allocator (the
+    device's whole use) as a second one, both held until ``end_s``."""
+    times = [0.0, *curve.times_s, end_s]
+    reserved = [0, *curve.reserved_bytes, curve.reserved_bytes[-1] if curve.reserved_bytes else 0]
+    x = [t * MS_PER_S for t in times]
+    lines = [
+        (f"reserved ({label})", [r / BYTES_PER_GIB for r in reserved], dict(color="#444444", dash="dash")),
+        (
+            f"reserved + context + NCCL ({label})",
+            [(r + overhead_bytes) / BYTES_PER_GIB for r in reserved],
+            dict(color="#D62728", dash="dash"),
+        ),
+    ]
+    return [
+        (
+            dict(
+                type="scatter",
+                name=name,
+                x=x,
+                y=y,
+                mode="lines",
+                line=dict(shape="hv", width=1.5, **style),
+                visible=visible,
+                hovertemplate=f"{name.split(' (')[0]}: %{{y:.2f}} GiB at %{{x:.3f}} ms<extra>{label}</extra>",
+            ),
+            row,
+        )
+        for name, y, style in lines[: 2 if overhead_bytes else 1]
+    ]
+
+
 def total_memory_trace(curve: MemoryCurve, end_s: float, label: str, row: int) -> tuple[Any, int]:
     """The total memory of a rank as one dashed step line (for the comparison table)."""
     times, curves = curve_steps(curve, end_s)
@@ -343,7 +390,7 @@ def timeline_figure(
     title: str,
     memory_rank: int | None = None,
     compare: tuple[str, EventTable] | None = None,
-    device_memory_bytes: int | None = None,
+    device: DeviceLines | None = None,
 ) -> Any:
     """The plotly figure behind ``write_timeline_html`` (see the module docstring for its layout)."""
     from plotly.subplots import make_subplots
@@ -376,22 +423,27 @@ def timeline_figure(
         if memory_rank is not None
         else default_memory_rank(main.shown, main.memory)
     )
+    device = device or DeviceLines()
     memory_of: dict[int, list[int]] = {}
     for s in main.shown:
-        first = len(traces)
-        traces += memory_traces(main.memory[s.sim_rank], end_s, s.label, mem_row, s.sim_rank == chosen)
+        first, visible = len(traces), s.sim_rank == chosen
+        traces += memory_traces(main.memory[s.sim_rank], end_s, s.label, mem_row, visible)
+        reserved = device.reserved_of(s.sim_rank) if device.reserved_of is not None else None
+        if reserved is not None:
+            overhead = device.overhead_of(s.sim_rank) if device.overhead_of is not None else 0
+            traces += reserved_traces(reserved, overhead, end_s, s.label, mem_row, visible)
         memory_of[s.sim_rank] = list(range(first, len(traces)))
     for p in panels[1:]:
         other = default_memory_rank(p.shown, p.memory)
         traces.append(total_memory_trace(p.memory[other], end_s, f"{p.label}, rank {other}", mem_row))
-    if device_memory_bytes is not None:
+    if device.memory_bytes is not None:
         traces.append(
             (
                 dict(
                     type="scatter",
-                    name=f"device memory {fmt_bytes(device_memory_bytes)}",
+                    name=f"device memory {fmt_bytes(device.memory_bytes)}",
                     x=[0, end_s * MS_PER_S],
-                    y=[device_memory_bytes / BYTES_PER_GIB] * 2,
+                    y=[device.memory_bytes / BYTES_PER_GIB] * 2,
                     mode="lines",
                     line=dict(color="red", dash="dot", width=2),
                     hoverinfo="name",
@@ -446,17 +498,16 @@ def write_timeline_html(
     title: str,
     memory_rank: int | None = None,
     compare: tuple[str, EventTable] | None = None,
-    device_memory_bytes: int | None = None,
+    device: DeviceLines | None = None,
 ) -> None:
     """Write the step timeline of ``table`` as one standalone HTML file (plotly.js embedded), atomically.
 
     ``memory_rank`` picks the rank whose memory is drawn (default: the drawn rank with the highest
     peak); ``compare`` = (label, table) adds a second table on the same time axis;
-    ``device_memory_bytes`` draws the device's memory as a line.
+    ``device`` draws the device's memory as a line and, per drawn rank, its reserved bytes and
+    whole use (``DeviceLines``).
     """
-    fig = timeline_figure(
-        table, title=title, memory_rank=memory_rank, compare=compare, device_memory_bytes=device_memory_bytes
-    )
+    fig = timeline_figure(table, title=title, memory_rank=memory_rank, compare=compare, device=device)
     write_text_atomic(path, standalone_html(fig, f"fsdp-sim timeline: {title}"))
 
 
