@@ -71,7 +71,11 @@ def _ibm(name: str, tables: dict[str, Any], tps: float) -> PublishedRun:
     tables["cluster"].update(nics_per_node=4, nic_gbps=100.0)
     tables["parallel"].update(fsdp_version=1)  # fms-fsdp main_training.py: FSDP(...)
     tables["precision"].update(reduce_dtype="bf16", buffer_dtype="bf16")  # fms_fsdp/policies bfSixteen
-    tables["fsdp1"] = {"limit_all_gathers": True, "use_orig_params": False, "backward_prefetch": "BACKWARD_PRE"}
+    tables["fsdp1"] = {
+        "limit_all_gathers": True,
+        "use_orig_params": False,
+        "backward_prefetch": "BACKWARD_PRE",
+    }
     return PublishedRun(
         name=f"IBM {name}", source=IBM, tables=tables, tokens_per_s_per_gpu=tps, note=IBM_NOTE
     )
