@@ -6,9 +6,11 @@
   from pinned buffers.
 - NVMe is the node's: its read and write bandwidth is shared by the node's ranks, each
   getting an equal share (ZeRO-Infinity swaps every rank's partitions at once).
-- The optimizer on the host: DeepSpeed's CPU Adam (ZeRO-Offload) or ``torch.optim.AdamW`` on
-  CPU tensors (FSDP1's CPUOffload), seconds per parameter element for one rank, from
-  ``fsdpsim calibrate host`` run on the training host.
+- Copies from or into pageable host memory (FSDP2's ``CPUOffloadPolicy(pin_memory=False)``) run
+  at the measured pageable rates (``pageable_host_to_device_Bps``, ``pageable_device_to_host_Bps``).
+- The optimizer on the host: DeepSpeed's CPU Adam (ZeRO-Offload) or ``torch.optim.AdamW`` /
+  ``SGD`` on CPU tensors (FSDP1's CPUOffload, FSDP2's CPUOffloadPolicy), seconds per parameter
+  element for one rank, from ``fsdpsim calibrate host`` run on the training host.
 A figure the profile lacks is a ``UserError`` when a scenario needs it, naming the field and
 how to measure it.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 from sim.errors import UserError
 from sim.hardware.schema import NodeSpec
+from sim.workload.options import OptimizerName
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,11 +33,21 @@ class HostCosts:
             raise UserError(f"profile {self.profile}: node.{field} is missing; offload needs it ({how})")
         return value
 
-    def h2d_s(self, nbytes: float) -> float:
+    @property
+    def host_is_device(self) -> bool:
+        return self.node.host_is_device
+
+    def h2d_s(self, nbytes: float, *, pinned: bool = True) -> float:
+        if not pinned:
+            how = "`fsdpsim calibrate host` on a GPU machine"
+            return nbytes / self._need(self.node.pageable_host_to_device_Bps, "pageable_host_to_device_Bps", how)
         rate = self._need(self.node.h2d_Bps(), "host_to_device_Bps", "or node.pcie_gen")
         return nbytes / rate
 
-    def d2h_s(self, nbytes: float) -> float:
+    def d2h_s(self, nbytes: float, *, pinned: bool = True) -> float:
+        if not pinned:
+            how = "`fsdpsim calibrate host` on a GPU machine"
+            return nbytes / self._need(self.node.pageable_device_to_host_Bps, "pageable_device_to_host_Bps", how)
         rate = self._need(self.node.d2h_Bps(), "device_to_host_Bps", "or node.pcie_gen")
         return nbytes / rate
 
@@ -59,3 +72,14 @@ class HostCosts:
             self.node.cpu_torch_adamw_s_per_param, "cpu_torch_adamw_s_per_param", "`fsdpsim calibrate host`"
         )
         return numel * per
+
+    def cpu_torch_optimizer_s(self, optimizer: OptimizerName, numel: int) -> float:
+        """``torch.optim`` (foreach) stepping ``numel`` fp32 elements on the host's CPU."""
+        if optimizer is OptimizerName.NONE:
+            return 0.0
+        if optimizer is OptimizerName.SGD:
+            per = self._need(
+                self.node.cpu_torch_sgd_s_per_param, "cpu_torch_sgd_s_per_param", "`fsdpsim calibrate host`"
+            )
+            return numel * per
+        return self.cpu_adamw_s(numel)

@@ -141,6 +141,8 @@ OPTIONAL_NODE_RATES = (
     "nvme_write_Bps",
     "cpu_adam_s_per_param",
     "cpu_torch_adamw_s_per_param",
+    "cpu_torch_sgd_s_per_param",
+    "pageable_device_to_host_Bps",
 )
 
 
@@ -170,6 +172,9 @@ def _node(r: JsonReader) -> NodeSpec:
         nvme_write_Bps=optional["nvme_write_Bps"],
         cpu_adam_s_per_param=optional["cpu_adam_s_per_param"],
         cpu_torch_adamw_s_per_param=optional["cpu_torch_adamw_s_per_param"],
+        cpu_torch_sgd_s_per_param=optional["cpu_torch_sgd_s_per_param"],
+        pageable_device_to_host_Bps=optional["pageable_device_to_host_Bps"],
+        host_is_device=n.get("host_is_device", bool, False),
     )
 
 

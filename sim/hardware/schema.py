@@ -115,6 +115,11 @@ class NodeSpec:
     # the optimizer on the host, seconds per parameter element for one rank (its share of the cores)
     cpu_adam_s_per_param: float | None = None  # DeepSpeed's CPU Adam (ZeRO-Offload)
     cpu_torch_adamw_s_per_param: float | None = None  # torch.optim.AdamW on CPU tensors (FSDP1 CPUOffload)
+    cpu_torch_sgd_s_per_param: float | None = None  # torch.optim.SGD with momentum on CPU tensors
+    pageable_device_to_host_Bps: float | None = None  # into pageable (not pinned) host memory
+    # the device is the host (a CPU machine): ``Tensor.to`` between them returns the tensor itself,
+    # so FSDP2's CPUOffloadPolicy moves nothing and keeps everything in the one memory
+    host_is_device: bool = False
 
     def pcie_Bps(self) -> float | None:
         """The datasheet rate of the GPU's host link, per direction: PCIe 3.0/4.0/5.0 move 0.985 /

@@ -188,6 +188,7 @@ def _check(s: Scenario, where: str) -> None:
             f"{where}: precision.grad_scaler: DeepSpeed scales fp16 losses itself (fp16 in [precision])"
         )
     _check_fsdp_version(s, where)
+    _check_fsdp2_offload(s, where)
     _check_deepspeed(s, where)
     _check_finetune_system(s, where)
     sim = s.simulation
@@ -234,6 +235,30 @@ def _check_fsdp_version(s: Scenario, where: str) -> None:
         raise UserError(
             f"{where}: fsdp1.cpu_offload with strategy NO_SHARD is not modelled; use a sharded strategy"
         )
+
+
+def _check_fsdp2_offload(s: Scenario, where: str) -> None:
+    """``parallel.cpu_offload`` is FSDP2's ``CPUOffloadPolicy``: a sharded FSDP2 strategy, one
+    reduction per unit and step (a second micro-batch's reduced gradient is added into the CPU shard
+    by a blocking copy and a CPU add, not modelled), no grad scaler (its unscale runs on CPU shards)."""
+    p = s.parallel
+    if not p.cpu_offload:
+        return
+    if p.fsdp_version != 2 or s.deepspeed.enabled:
+        raise UserError(
+            f"{where}: parallel.cpu_offload is FSDP2's CPUOffloadPolicy; FSDP1 offloads with "
+            "fsdp1.cpu_offload, DeepSpeed with deepspeed.offload_optimizer / offload_param"
+        )
+    if p.strategy is Strategy.NO_SHARD:
+        raise UserError(f"{where}: parallel.cpu_offload needs a sharded strategy (NO_SHARD is DDP)")
+    if s.training.grad_accum > 1 and s.training.sync_every_microbatch:
+        raise UserError(
+            f"{where}: parallel.cpu_offload with training.grad_accum > 1 adds each micro-batch's reduced "
+            "gradient into the CPU shard on the host, which is not modelled; set "
+            "training.sync_every_microbatch = false (one reduction per step)"
+        )
+    if s.precision.grad_scaler:
+        raise UserError(f"{where}: parallel.cpu_offload with precision.grad_scaler is not modelled")
 
 
 def _check_deepspeed(s: Scenario, where: str) -> None:

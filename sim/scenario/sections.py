@@ -15,6 +15,7 @@ from sim.workload.options import (
     CheckpointMode,
     FinetuneMethod,
     Fsdp1Options,
+    Fsdp2Offload,
     LossKernel,
     OffloadDevice,
     OptimizerName,
@@ -63,6 +64,10 @@ class ParallelSection:
     ddp_bucket_mb: float = 25.0  # NO_SHARD: DistributedDataParallel bucket_cap_mb
     # 2: ``fully_shard`` (FSDP2; NO_SHARD is DDP); 1: ``FullyShardedDataParallel`` (FSDP1, knobs in [fsdp1])
     fsdp_version: int = 2
+    # FSDP2 ``offload_policy=CPUOffloadPolicy(pin_memory=cpu_offload_pin_memory)``: shards, gradients
+    # and optimizer states on the host (FSDP1's is fsdp1.cpu_offload)
+    cpu_offload: bool = False
+    cpu_offload_pin_memory: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,6 +288,12 @@ class Scenario:
     def fsdp1_options(self) -> Fsdp1Options | None:
         """FSDP1's arguments when the scenario runs ``FullyShardedDataParallel``, else None."""
         return self.fsdp1.options() if self.parallel.fsdp_version == 1 else None
+
+    @property
+    def fsdp2_offload(self) -> Fsdp2Offload | None:
+        """FSDP2's ``CPUOffloadPolicy`` when the scenario asks for it (``parallel.cpu_offload``)."""
+        p = self.parallel
+        return Fsdp2Offload(pin_memory=p.cpu_offload_pin_memory) if p.cpu_offload else None
 
     @property
     def zero_options(self) -> ZeroOptions | None:

@@ -9,6 +9,8 @@ and keeps fp32 shards of parameters, gradients and every optimizer state; FSDP1 
 all of them whole, plus its gradient buckets (``gradient_as_bucket_view=False``: a second copy of
 the gradients in ``reduce_dtype``). A frozen parameter (LoRA's base, FSDP2 and DDP) is stored in its
 own dtype with no gradient and no optimizer state; QLoRA's quantization state is whole on every rank.
+FSDP1's ``CPUOffload`` and FSDP2's ``CPUOffloadPolicy`` keep the shards and states in host memory
+(``host_bytes``), except where the device is the host.
 """
 
 from dataclasses import dataclass
@@ -78,6 +80,8 @@ def model_state(step: StepConfig) -> ModelState:
     numel, b = numel_per_rank(step), step.master_bytes
     if step.fsdp1 is not None and step.fsdp1.offload_params:  # CPUOffload: shards and states on the host
         return ModelState(params=0, grads=numel * b, optimizer=0)
+    if step.fsdp2_host_state:  # CPUOffloadPolicy: every shard and state on the host; QLoRA's state stays
+        return ModelState(params=step.quant_state_bytes, grads=0, optimizer=0)
     frozen = sum(unit_frozen_bytes_per_rank(step, u) for u in step.units) + step.quant_state_bytes
     return ModelState(
         params=numel * b + frozen, grads=numel * b, optimizer=OPTIMIZER_STATES[step.optimizer] * numel * b
@@ -93,6 +97,9 @@ def host_bytes(step: StepConfig) -> int:
         return zero_state(step).host_bytes
     if step.fsdp1 is not None and step.fsdp1.offload_params:
         return (2 + OPTIMIZER_STATES[step.optimizer]) * numel_per_rank(step) * step.master_bytes
+    if step.fsdp2_host_state:  # CPUOffloadPolicy: the shards (frozen ones in their dtype), gradients, states
+        frozen = sum(unit_frozen_bytes_per_rank(step, u) for u in step.units)
+        return (2 + OPTIMIZER_STATES[step.optimizer]) * numel_per_rank(step) * step.master_bytes + frozen
     return 0
 
 
@@ -126,8 +133,8 @@ def resident_allocs(step: StepConfig) -> list[Alloc]:
             Alloc(label="ddp_buckets", category=MemoryCategory.COMM_BUFFERS, bytes=ddp_bucket_bytes(step)),
         ]
     allocs = [buffers, *quant]
-    if step.fsdp1 is not None and step.fsdp1.offload_params:
-        return allocs  # CPUOffload: the shards and the optimizer states live in pinned host memory
+    if (step.fsdp1 is not None and step.fsdp1.offload_params) or step.fsdp2_host_state:
+        return allocs  # CPUOffload(Policy): the shards and the optimizer states live in host memory
     for unit in step.units:
         numel = unit_numel_per_rank(step, unit)
         nbytes = numel * b + unit_frozen_bytes_per_rank(step, unit)

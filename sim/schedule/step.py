@@ -9,7 +9,7 @@ from sim.costs.collectives import CollectiveCost
 from sim.costs.compute import ComputeCosts, SegmentFigures
 from sim.costs.offload import HostCosts
 from sim.workload.checkpointing import CheckpointPlan
-from sim.workload.options import Fsdp1Options, OptimizerName, Strategy, ZeroOptions
+from sim.workload.options import Fsdp1Options, Fsdp2Offload, OptimizerName, Strategy, ZeroOptions
 from sim.workload.units import Segment, WrapUnit, flat_param_numel, flat_param_padded_numel
 
 FLAT_PARAM_ALIGNMENT_BYTES = 16  # FSDP1 ``_get_aligned_numel``: TorchInductor's alignment
@@ -47,6 +47,7 @@ class StepConfig:
     zero: ZeroOptions | None = None  # set: DeepSpeed ZeRO (its units are every module with parameters)
     host: HostCosts | None = None  # offload's transfers and the optimizer on the host
     grad_scaler: bool = False  # ShardedGradScaler (GradScaler under DDP) around the step
+    fsdp2_offload: Fsdp2Offload | None = None  # FSDP2's CPUOffloadPolicy
 
     quant_state_bytes: int = 0  # QLoRA's quantization state, whole on every rank
     # False: gradient accumulation without synchronisation (FSDP2 set_requires_gradient_sync(False),
@@ -57,6 +58,12 @@ class StepConfig:
     def host_costs(self) -> HostCosts:
         assert self.host is not None, "build_step sets the host costs"
         return self.host
+
+    @property
+    def fsdp2_host_state(self) -> bool:
+        """FSDP2's CPUOffloadPolicy keeps the shards, gradients and optimizer states in host memory
+        apart from the device's (not where the device is the host: there nothing moves)."""
+        return self.fsdp2_offload is not None and not self.host_costs.host_is_device
 
     @property
     def sharded(self) -> bool:

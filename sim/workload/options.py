@@ -92,6 +92,14 @@ class Fsdp1Options:
     offload_params: bool = False  # CPUOffload(offload_params=True)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Fsdp2Offload:
+    """FSDP2's ``offload_policy=CPUOffloadPolicy(pin_memory=...)``: sharded parameters, gradients and
+    optimizer states on the host, the optimizer step on the CPU."""
+
+    pin_memory: bool = True
+
+
 class OffloadDevice(StrEnum):
     """DeepSpeed's ``offload_optimizer.device`` / ``offload_param.device``."""
 
