@@ -14,10 +14,13 @@ NODE_FIELDS = (
     "host_to_device_Bps",
     "device_to_host_Bps",
     "pageable_host_to_device_Bps",
+    "pageable_device_to_host_Bps",
     "nvme_read_Bps",
     "nvme_write_Bps",
     "cpu_adam_s_per_param",
     "cpu_torch_adamw_s_per_param",
+    "cpu_torch_sgd_s_per_param",
+    "host_is_device",
 )
 
 

@@ -5,8 +5,8 @@
   of ``COPY_BYTES`` from pinned (``pin_memory()``) and from pageable host memory, synchronised,
   best of the repetitions. Without an accelerator there is no device to copy to and
   ``pin_memory`` fails, so the fields stay as they were; the host's own memcpy rate is recorded
-  in ``source.host`` for reference.
-- The optimizer on the host: ``torch.optim.AdamW`` (foreach, fp32 CPU tensors of ``ADAM_ELEMENTS``
+  in ``source.host`` for reference, and ``host_is_device`` is set (FSDP2's CPU offload moves nothing).
+- The optimizer on the host: ``torch.optim.AdamW`` and ``torch.optim.SGD`` with momentum (foreach, fp32 CPU tensors of ``ADAM_ELEMENTS``
   elements in ``ADAM_TENSORS`` parts) and, where it builds, DeepSpeed's ``DeepSpeedCPUAdam``
   (its C++/AVX op, JIT-built by ``deepspeed.ops``), both at ``threads`` threads: the cores one rank
   gets when ``--ranks-per-node`` ranks share the host (torchrun's cores / ranks). Seconds per
@@ -50,7 +50,7 @@ def copy_rates(reps: int) -> dict[str, float]:
         "host_memcpy_Bps": COPY_BYTES / _mean_s(lambda: torch.empty(n).copy_(host), reps)
     }
     if not torch.cuda.is_available():
-        return out
+        return {**out, "host_is_device": True}  # no accelerator: the CPU is the device, nothing to copy
     dev = torch.empty(n, device="cuda")
     pinned = host.pin_memory()
 
@@ -64,6 +64,7 @@ def copy_rates(reps: int) -> dict[str, float]:
     out["host_to_device_Bps"] = timed(dev, pinned)
     out["device_to_host_Bps"] = timed(pinned, dev)
     out["pageable_host_to_device_Bps"] = timed(dev, host)
+    out["pageable_device_to_host_Bps"] = timed(host, dev)
     return out
 
 
@@ -82,6 +83,8 @@ def adam_rates(reps: int, threads: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     torch_adam = torch.optim.AdamW(_params(torch), lr=1e-4, foreach=True)
     out["cpu_torch_adamw_s_per_param"] = _mean_s(torch_adam.step, reps) / ADAM_ELEMENTS
+    torch_sgd = torch.optim.SGD(_params(torch), lr=1e-4, momentum=0.9, foreach=True)
+    out["cpu_torch_sgd_s_per_param"] = _mean_s(torch_sgd.step, reps) / ADAM_ELEMENTS
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

@@ -179,7 +179,9 @@ def build_step(
             node=profile.node,
             ranks_per_node=min(scenario.gpus_per_node, parallel.world_size),
             profile=profile.name,
+            host_is_device=profile.host_is_device,
         ),
+        fsdp2_offload=scenario.fsdp2_offload,
         quant_state_bytes=_quant_state_bytes(model),
         sync_every_microbatch=training.sync_every_microbatch,
     )

@@ -27,27 +27,29 @@ class HostCosts:
     node: NodeSpec
     ranks_per_node: int
     profile: str  # for messages
+    # the device is the host (``HardwareProfile.host_is_device``): offload moves nothing
+    host_is_device: bool = False
 
     def _need(self, value: float | None, field: str, how: str) -> float:
         if value is None:
             raise UserError(f"profile {self.profile}: node.{field} is missing; offload needs it ({how})")
         return value
 
-    @property
-    def host_is_device(self) -> bool:
-        return self.node.host_is_device
-
     def h2d_s(self, nbytes: float, *, pinned: bool = True) -> float:
         if not pinned:
             how = "`fsdpsim calibrate host` on a GPU machine"
-            return nbytes / self._need(self.node.pageable_host_to_device_Bps, "pageable_host_to_device_Bps", how)
+            return nbytes / self._need(
+                self.node.pageable_host_to_device_Bps, "pageable_host_to_device_Bps", how
+            )
         rate = self._need(self.node.h2d_Bps(), "host_to_device_Bps", "or node.pcie_gen")
         return nbytes / rate
 
     def d2h_s(self, nbytes: float, *, pinned: bool = True) -> float:
         if not pinned:
             how = "`fsdpsim calibrate host` on a GPU machine"
-            return nbytes / self._need(self.node.pageable_device_to_host_Bps, "pageable_device_to_host_Bps", how)
+            return nbytes / self._need(
+                self.node.pageable_device_to_host_Bps, "pageable_device_to_host_Bps", how
+            )
         rate = self._need(self.node.d2h_Bps(), "device_to_host_Bps", "or node.pcie_gen")
         return nbytes / rate
 

@@ -163,6 +163,12 @@ class HardwareProfile:
     node: NodeSpec = field(default_factory=NodeSpec)
     nccl_fit: NcclFit = field(default_factory=NcclFit)  # topology.nccl_fit, from calibration
 
+    @property
+    def host_is_device(self) -> bool:
+        """The device is the host's CPU: the profile says so (``calibrate host`` on a machine
+        without an accelerator), or its backend is gloo, which fsdp-sim calibrates on CPUs only."""
+        return self.node.host_is_device or self.backend.name == "gloo"
+
     def curve(
         self,
         collective: str,

@@ -251,6 +251,11 @@ def _check_fsdp2_offload(s: Scenario, where: str) -> None:
         )
     if p.strategy is Strategy.NO_SHARD:
         raise UserError(f"{where}: parallel.cpu_offload needs a sharded strategy (NO_SHARD is DDP)")
+    if s.shard_group_size == 1:
+        raise UserError(
+            f"{where}: parallel.cpu_offload on a one-rank shard group (no all-gather, no reduce-scatter) "
+            "is not modelled; use a shard group of 2 or more ranks"
+        )
     if s.training.grad_accum > 1 and s.training.sync_every_microbatch:
         raise UserError(
             f"{where}: parallel.cpu_offload with training.grad_accum > 1 adds each micro-batch's reduced "

@@ -78,6 +78,19 @@ class ScheduleBuilder:
                 duration_s=duration_s,
             )
 
+    def host_wait(self, name: str, op: int, mb: int) -> None:
+        """The host blocks until ``op`` has run (``event.synchronize()``, a blocking copy): nothing it
+        issues afterwards starts before."""
+        self.host_cursor = self.program.emit(
+            stream=Stream.HOST,
+            kind=OpKind.HOST,
+            name=name,
+            unit=ROOT,
+            microbatch=mb,
+            duration_s=0.0,
+            deps=self.issued((op,)),
+        )
+
     def issued(self, deps: tuple[int, ...]) -> tuple[int, ...]:
         """``deps`` and the host's position: an op cannot start before the host has issued it."""
         return deps if self.host_cursor is None else (*deps, self.host_cursor)

@@ -202,16 +202,8 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         return op
 
     def _host_wait(self, op: int) -> None:
-        """The host blocks until ``op`` has run (``event.synchronize()``)."""
-        self.host_cursor = self.program.emit(
-            stream=Stream.HOST,
-            kind=OpKind.HOST,
-            name="fsdp1 rate limiter",
-            unit=ROOT,
-            microbatch=self.mb.index,
-            duration_s=0.0,
-            deps=self.issued((op,)),
-        )
+        """The rate limiter: the host blocks until ``op`` has run (``event.synchronize()``)."""
+        self.host_wait("fsdp1 rate limiter", op, self.mb.index)
 
     def _wait_for_unshard(self) -> None:
         """``current_stream().wait_stream(unshard_stream)``: the next compute op waits."""

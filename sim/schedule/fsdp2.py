@@ -26,7 +26,8 @@ from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.dtypes import FLOAT_DTYPES
 from sim.schedule.base import Activations, ScheduleBuilder, UnitLayout
-from sim.schedule.model_state import stored_bytes
+from sim.schedule.fsdp2_offload import OffloadBytes, OffloadCopies
+from sim.schedule.model_state import numel_per_rank, stored_bytes
 from sim.schedule.step import StepConfig
 from sim.workload.params import ParamSpec
 from sim.workload.units import ROOT, WrapUnit, padded_numel
@@ -72,6 +73,7 @@ class UnitBytes:
     copy_in: int
     grad_padded: int
     grad_numel: int  # the unsharded gradients (what accumulates without gradient sync)
+    offload: OffloadBytes  # CPUOffloadPolicy: the shards' copy to the device
 
     @staticmethod
     def of(cfg: StepConfig, unit: WrapUnit) -> "UnitBytes":
@@ -83,6 +85,14 @@ class UnitBytes:
             copy_in=sum(n // w * max(gathered_bytes(cfg, p), stored_bytes(cfg, p)) for p, n in pad),
             grad_padded=sum(n for p, n in pad if p.trainable),
             grad_numel=sum(p.numel for p in unit.params if p.trainable),
+            offload=OffloadBytes(
+                h2d=sum(n // w * stored_bytes(cfg, p) for p, n in pad),
+                kept=sum(n // w * stored_bytes(cfg, p) for p, n in pad if not cast_to_param_dtype(cfg, p)),
+                cast=sum(n // w * cfg.param_bytes for p, n in pad if cast_to_param_dtype(cfg, p)),
+                staging=max(
+                    (n // w * stored_bytes(cfg, p) for p, n in pad if cast_to_param_dtype(cfg, p)), default=0
+                ),
+            ),
         )
 
 
@@ -96,6 +106,9 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         self.accumulated: dict[str, str] = {}  # unit -> its unsharded gradients kept across micro-batches
         self.reduced: set[str] = set()  # units reduced once already (their sharded gradients exist)
         self.mb = Microbatch(index=0)
+        offload = cfg.fsdp2_offload
+        # CPUOffloadPolicy where the device is not the host: shards on the host, copies over PCIe
+        self.offload = OffloadCopies(self, offload.pin_memory) if offload and cfg.fsdp2_host_state else None
 
     def build(self) -> Program:
         for index in range(self.cfg.grad_accum):
@@ -118,8 +131,12 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         cfg, sizes = self.cfg, self.sizes[unit]
         out = self.label("all_gather_output", unit, mb.index)
         allocs = [Alloc(label=out, category=Mem.COMM_BUFFERS, bytes=sizes.gather)]
-        frees = []
-        if sizes.cast:  # copy-in casts the shards of the parameters cast to param_dtype first
+        frees: list[str] = []
+        deps = (mb.ag_wait,) if mb.ag_wait is not None else ()
+        if self.offload is not None:  # the shards come from the host first, cast on the device
+            h2d, consumed = self.offload.h2d(unit, mb.index, sizes.offload, deps)
+            deps, frees = (h2d,), list(consumed)
+        elif sizes.cast:  # copy-in casts the shards of the parameters cast to param_dtype first
             cast = self.label("all_gather_input", unit, mb.index)
             allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=sizes.cast))
             frees.append(cast)
@@ -134,7 +151,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             GroupKind.SHARD,
             cfg.param_dtype,
             mb=self.mb.index,
-            deps=(mb.ag_wait,) if mb.ag_wait is not None else (),
+            deps=deps,
             allocs=tuple(allocs),
             frees=tuple(frees),
             extra_s=copy_in_s,
@@ -310,6 +327,21 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             allocs=(Alloc(label=rs_input, category=Mem.COMM_BUFFERS, bytes=padded * cfg.reduce_bytes),),
             frees=tuple(frees),
         )
+        mb.rs_states.append((self._reduce(unit, copy_in, shard, allocs, output_frees), rs_input))
+
+    def _reduce(
+        self, unit: str, copy_in: int, shard: int, allocs: tuple[Alloc, ...], output_frees: tuple[str, ...]
+    ) -> int:
+        """The reduce-scatter (a copy on one rank), HSDP's all-reduce, and with CPU offload the copy of
+        the reduced shard to the host on the post-reduce stream; returns the reduce-scatter."""
+        cfg, mb = self.cfg, self.mb
+        padded = shard * self.w
+        tail = (
+            ()
+            if self.offload is None or self.offload.reduce_stream_tail is None
+            else (self.offload.reduce_stream_tail,)
+        )
+        device_frees, output_frees = (output_frees, ()) if self.offload is not None else ((), output_frees)
         rs_frees = () if cfg.hybrid else output_frees
         if self.w == 1:  # no reduce-scatter: the input is copied into the output
             rs = self.compute(
@@ -331,7 +363,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
                 GroupKind.SHARD,
                 cfg.reduce_dtype,
                 mb=self.mb.index,
-                deps=(copy_in,),
+                deps=(copy_in,) if cfg.hybrid else (copy_in, *tail),
                 allocs=allocs,
                 frees=rs_frees,
             )
@@ -345,11 +377,13 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
                 GroupKind.REPLICATE,
                 cfg.reduce_dtype,
                 mb=self.mb.index,
-                deps=(rs,),
+                deps=(rs, *tail),
                 frees=output_frees,
             )
-        mb.rs_states.append((rs, rs_input))
+        if self.offload is not None:  # the post-reduce event is recorded after the copy to the host
+            last = self.offload.d2h(unit, mb.index, shard * cfg.master_bytes, last, device_frees)
         self.reductions.append(last)
+        return rs
 
     def _accumulate(self, unit: str, frees: list[str]) -> None:
         """``set_requires_gradient_sync(False)``: post-backward reshards and keeps the unsharded
@@ -377,6 +411,9 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         separate reduce-scatter output freed once the reduction is done."""
         cfg, mb = self.cfg, self.mb
         allocs, frees = [], []
+        if self.offload is not None:  # CPUOffloadPolicy: the sharded gradients live on the host
+            out = self.label("reduce_scatter_output", unit, mb.index)
+            return (Alloc(label=out, category=Mem.COMM_BUFFERS, bytes=shard * cfg.reduce_bytes),), (out,)
         first = unit not in self.reduced
         self.reduced.add(unit)
         if first:
@@ -401,6 +438,12 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         if released is not None:
             self.program.add_frees(last_op, released)
         self.compute_waits = list(self.reductions)
+
+    def optimizer_step(self) -> None:
+        if self.offload is None:
+            super().optimizer_step()
+        else:
+            self.offload.optimizer_step(self.cfg.grad_accum - 1, numel_per_rank(self.cfg))
 
 
 def build_fsdp2_program(cfg: StepConfig) -> Program:
