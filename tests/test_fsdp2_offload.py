@@ -111,7 +111,6 @@ def test_copies_in_precede_their_all_gather_and_copies_out_follow_their_reductio
 
 def test_pageable_memory_copies_at_the_pageable_rates_and_blocks_the_host() -> None:
     r = simulate(_offload(pin=False, precision={"param_dtype": "bf16"}), _profile())
-    ops = _ops(r)
     for o in _copies(r, Stream.H2D) + _copies(r, Stream.D2H):
         rate = PAGEABLE_H2D if o.stream is Stream.H2D else PAGEABLE_D2H
         assert o.duration_s == pytest.approx(o.bytes / rate)
