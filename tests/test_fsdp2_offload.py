@@ -14,6 +14,7 @@ from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.hardware.parse import profile_from_dict
 from sim.outputs.memory_curve import memory_curve
 from sim.outputs.report import build_report
+from sim.scenario.loader import load_scenario
 from sim.simulate import simulate
 from sim.workload.model import layer_params, preset
 
@@ -181,3 +182,24 @@ def test_a_missing_pageable_rate_is_named() -> None:
     data["node"]["cpu_torch_adamw_s_per_param"] = ADAMW
     with pytest.raises(UserError, match="node.pageable_host_to_device_Bps is missing"):
         simulate(_offload(pin=False), profile_from_dict(data, "no-pageable"))
+
+
+def test_real_fsdp2_with_cpu_offload_policy_on_this_cpu_keeps_its_peak_as_predicted() -> None:
+    """Real FSDP2 with ``CPUOffloadPolicy`` (unpinned: there is no accelerator) for one rank of 4 under
+    the fake process group: on the CPU nothing moves, so its peak is FSDP2's without offload, as the
+    simulator predicts where the device is the host."""
+    from pathlib import Path
+
+    from validation.build import _offload_policy
+    from validation.fake_memory import measure_fake_memory_subprocess
+    from validation.memory_only import compare_memory
+
+    tiny = str(Path(__file__).resolve().parents[1] / "scenarios" / "tiny.toml")
+    sets = ["parallel.world_size=4", "precision.param_dtype=bf16"]
+    s = make_scenario(parallel={"cpu_offload": True})
+    assert type(_offload_policy(s)).__name__ == "CPUOffloadPolicy" and not _offload_policy(s).pin_memory
+    on = measure_fake_memory_subprocess(tiny, [*sets, "parallel.cpu_offload=true"], 180.0)
+    off = measure_fake_memory_subprocess(tiny, sets, 180.0)
+    assert on["total"] == off["total"]
+    peak = compare_memory(load_scenario(tiny, [*sets, "parallel.cpu_offload=true"]), on).rows[0]
+    assert abs(peak.predicted - peak.measured) <= 0.01 * peak.measured

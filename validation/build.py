@@ -122,11 +122,30 @@ def wrap(model: nn.Module, scenario: Scenario, mesh: Any) -> Wrapped:
     # checkpoint_wrapper inserts `_checkpoint_wrapped_module` into module paths; match the HF names
     modules = {name.replace("._checkpoint_wrapped_module", ""): m for name, m in model.named_modules()}
     units = [modules[prefix] for prefix in unit_prefixes(scenario.model, scenario.parallel.wrap)]
+    offload = _offload_policy(scenario)
     for module in units:
-        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=scenario.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: reshard_after_forward=None, as FSDP2's default
+        fully_shard(
+            module,
+            mesh=mesh,
+            mp_policy=mp,
+            reshard_after_forward=scenario.reshard_after_forward,
+            offload_policy=offload,
+        )
+    # the root: reshard_after_forward=None, as FSDP2's default
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     _set_prefetch(units, scenario)
     return Wrapped(model, units, is_fsdp=True)
+
+
+def _offload_policy(scenario: Scenario) -> Any:
+    """``parallel.cpu_offload``: ``CPUOffloadPolicy``, pinned only where an accelerator exists
+    (``pin_memory()`` fails without one: "Cannot access accelerator device when none is available")."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not scenario.parallel.cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=scenario.parallel.cpu_offload_pin_memory and torch.cuda.is_available())
 
 
 def _set_prefetch(units: list[Any], scenario: Scenario) -> None:

@@ -15,10 +15,13 @@ from validation.compare import Comparison, memory_rows
 
 def matching_profile(scenario: Scenario, attention_kernel: str) -> HardwareProfile:
     """The scenario's profile with the attention kernel that ran and no backend temporaries
-    (the fake process group allocates none). For FSDP1 also serial, as the measured step ran: its
+    (the fake process group allocates none); with ``parallel.cpu_offload`` the device is the host, as
+    in the fake run (its mesh is on the CPU). For FSDP1 also serial, as the measured step ran: its
     unshard stream does not wait for compute, so on a GPU a backward prefetch issued by a host
     that runs ahead allocates while the loss is still computing, which a CPU step never does."""
     profile = load_profile(scenario.cluster.profile, where=f"{scenario.source}: cluster.profile")
+    if scenario.parallel.cpu_offload:  # the fake run's device is this CPU: CPUOffloadPolicy moves nothing
+        profile = dataclasses.replace(profile, node=dataclasses.replace(profile.node, host_is_device=True))
     backend = dataclasses.replace(
         profile.backend,
         attention_kernel=attention_kernel,
