@@ -646,6 +646,117 @@ def tune_example() -> str:
     )
 
 
+# ---- FSDP2's CPU offload (README "FSDP2's CPU offload") ----
+
+QLORA, QLORA_OFFLOAD = (
+    "scenarios/qlora-llama2-70b-2x3090.toml",
+    "scenarios/qlora-llama2-70b-2x3090-offload.toml",
+)
+SWEEP_OFFLOAD = "scenarios/sweep-offload-7b.toml"
+
+
+def _copies_s(path: str, stream: str) -> float:
+    """Rank 0's time in offload copies on ``stream`` (``h2d`` / ``d2h``) per step."""
+    ops = result(path).events.ops_of(0)
+    return sum(o.duration_s for o in ops if o.kind is OpKind.OFFLOAD and o.stream.value == stream)
+
+
+def qlora_offload() -> str:
+    with_, without = report(QLORA_OFFLOAD), report(QLORA)
+    host = next(o for o in result(QLORA_OFFLOAD).events.ops_of(0) if o.kind is OpKind.OPTIMIZER)
+    rate = load_profile(scenario(QLORA_OFFLOAD).cluster.profile).node.cpu_torch_adamw_s_per_param
+    assert rate is not None
+    b = with_.breakdown
+    claim(with_.fits and not without.fits, "with its CPU offload it fits (without, it does not)")
+    claim(b.exposed_comm_s < 0.01 * with_.step_time_s, "hide behind the compute")
+    return para(
+        f"""**FSDP-QLoRA of Llama-2-70B on two RTX 3090s, as the recipe runs it** (`{QLORA_OFFLOAD}`,
+        batch 2 × 512, rank 64, every block checkpointed, `parallel.cpu_offload = true`): with its
+        CPU offload it fits, {gib(with_.peak_memory_bytes)} allocated a card of
+        {gib(with_.device_memory_bytes)} (without, `{QLORA}`: {gib(without.peak_memory_bytes)}, does
+        not fit). Each rank keeps {gib(with_.host_memory_bytes)} of pinned host memory: its shard of
+        the packed 4-bit base and the adapters' fp32 weights, gradients and AdamW states; the card keeps
+        the quantization state, one block's gathered weights and the checkpoints. A step takes
+        {t(with_.step_time_s, 0)} ({n(with_.tokens_per_s)} tokens/s for both cards): compute
+        {t(b.compute_s, 0)}; over PCIe {gib(with_.offload_bytes["h2d"])} in (each block's packed
+        shard before its all-gather, in forward and again in backward) and
+        {gib(with_.offload_bytes["d2h"])} of gradients out a rank, {t(_copies_s(QLORA_OFFLOAD, "h2d"), 0)}
+        and {t(_copies_s(QLORA_OFFLOAD, "d2h"), 0)} at the datasheet's PCIe 4.0 ×16, hide behind the
+        compute ({t(b.exposed_comm_s)} exposed); then torch's AdamW over the rank's
+        {host.duration_s / rate / 1e6:.0f}M adapter parameters on the CPU takes
+        {t(host.duration_s, 0)} at this VM's measured {rate * 1e9:.1f} ns per parameter (one core a
+        rank), the step's {t(b.idle_s, 0)} of GPU idle. The CPU step is the host's: on a host with
+        more cores per GPU it shrinks accordingly (`fsdpsim calibrate host` measures it)."""
+    )
+
+
+def _sets(point: tuple[tuple[str, object], ...]) -> tuple[str, ...]:
+    """A sweep point as ``--set`` strings."""
+
+    def toml(v: object) -> str:
+        return str(v).lower() if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
+
+    return tuple(f"{k}={toml(v)}" for k, v in point)
+
+
+def _offload_system(r: StepReport, s: Scenario) -> str:
+    nodes = s.parallel.world_size // s.gpus_per_node
+    what = f"{r.system} on {s.parallel.world_size} GPUs ({nodes} node{'s' if nodes > 1 else ''})"
+    if s.parallel.cpu_offload:
+        return what + ", `CPUOffloadPolicy`"
+    if s.fsdp1.cpu_offload:
+        return what + ", `CPUOffload`"
+    if s.deepspeed.enabled and s.deepspeed.offload_optimizer.value != "none":
+        return what + ", `offload_optimizer` cpu"
+    return what + (", checkpointing" if s.checkpointing.mode is not CheckpointMode.NONE else "")
+
+
+def offload_sweep() -> str:
+    plan = make_plan(str(ROOT / SWEEP_OFFLOAD), [], [], False)
+    points = [_sets(p) for p in plan.points]
+    reports = [report(SWEEP_OFFLOAD, *sets) for sets in points]
+    base, fsdp2, fsdp1, zero2, zero3, node, ckpt = reports
+    rows = [
+        [
+            _offload_system(r, scenario(SWEEP_OFFLOAD, *sets)),
+            t(r.step_time_s),
+            n(r.tokens_per_s_per_gpu),
+            peak_cell(r),
+            gib(r.host_memory_bytes),
+        ]
+        for r, sets in zip(reports, points, strict=True)
+    ]
+    claim(not base.fits and all(r.fits for r in reports[1:]), "does not fit; every other point fits")
+    claim(
+        min(node.step_time_s, ckpt.step_time_s) < min(r.step_time_s for r in (fsdp2, fsdp1, zero2, zero3)),
+        "a second node or checkpointing is faster than any offload",
+    )
+    claim(
+        max(zero2.step_time_s, zero3.step_time_s) < min(fsdp2.step_time_s, fsdp1.step_time_s),
+        "DeepSpeed's CPU Adam beats torch's AdamW",
+    )
+    head = para(
+        f"""**Offload or add a node? Llama-2-7B on two H100s** (`{SWEEP_OFFLOAD}`, micro-batch 2 × 4096,
+        bf16, AdamW; `fsdpsim sweep` on the file):"""
+    )
+    prose = para(
+        f"""FSDP2 alone needs {gib(base.peak_memory_bytes)} a GPU. Every offload fits by moving the
+        {gib(fsdp2.host_memory_bytes)} of fp32 state a rank holds to the host, but the optimizer then
+        runs on the CPU: torch's AdamW (FSDP2's `CPUOffloadPolicy`, FSDP1's `CPUOffload`) makes the
+        step {fsdp2.step_time_s / node.step_time_s:.0f}× that of a second node, DeepSpeed's CPU Adam
+        {zero3.step_time_s / node.step_time_s:.0f}× (this VM's host, one core a rank; on a host with more cores
+        a GPU both shrink). A second node ({t(node.step_time_s)}) or checkpointing every block
+        ({t(ckpt.step_time_s)}) is the answer here."""
+    )
+    return "\n\n".join(
+        [head, table(["system", "step", "tokens/s per GPU", "peak", "host memory per rank"], rows), prose]
+    )
+
+
+def offload_section() -> str:
+    return "\n\n".join([qlora_offload(), offload_sweep()])
+
+
 # ---- the README ----
 
 
@@ -653,6 +764,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "answers": scenarios_section,  # README "## Scenarios and their answers"
     "answers:sweep": sweep_example,  # README "fsdpsim sweep": the scenarios/sweep-7b-strategies.toml example
     "answers:tune": tune_example,  # README "fsdpsim tune": the examples
+    "answers:offload": offload_section,  # README "FSDP2's CPU offload": the QLoRA recipe and the sweep
 }
 """Each README marker name and the function that writes the text between its markers."""
 

@@ -20,7 +20,6 @@ NODE_FIELDS = (
     "cpu_adam_s_per_param",
     "cpu_torch_adamw_s_per_param",
     "cpu_torch_sgd_s_per_param",
-    "host_is_device",
 )
 
 

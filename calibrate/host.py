@@ -5,7 +5,7 @@
   of ``COPY_BYTES`` from pinned (``pin_memory()``) and from pageable host memory, synchronised,
   best of the repetitions. Without an accelerator there is no device to copy to and
   ``pin_memory`` fails, so the fields stay as they were; the host's own memcpy rate is recorded
-  in ``source.host`` for reference, and ``host_is_device`` is set (FSDP2's CPU offload moves nothing).
+  in ``source.host`` for reference.
 - The optimizer on the host: ``torch.optim.AdamW`` and ``torch.optim.SGD`` with momentum (foreach, fp32 CPU tensors of ``ADAM_ELEMENTS``
   elements in ``ADAM_TENSORS`` parts) and, where it builds, DeepSpeed's ``DeepSpeedCPUAdam``
   (its C++/AVX op, JIT-built by ``deepspeed.ops``), both at ``threads`` threads: the cores one rank
@@ -50,7 +50,7 @@ def copy_rates(reps: int) -> dict[str, float]:
         "host_memcpy_Bps": COPY_BYTES / _mean_s(lambda: torch.empty(n).copy_(host), reps)
     }
     if not torch.cuda.is_available():
-        return {**out, "host_is_device": True}  # no accelerator: the CPU is the device, nothing to copy
+        return out
     dev = torch.empty(n, device="cuda")
     pinned = host.pin_memory()
 

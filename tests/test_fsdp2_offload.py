@@ -203,3 +203,49 @@ def test_real_fsdp2_with_cpu_offload_policy_on_this_cpu_keeps_its_peak_as_predic
     assert on["total"] == off["total"]
     peak = compare_memory(load_scenario(tiny, [*sets, "parallel.cpu_offload=true"]), on).rows[0]
     assert abs(peak.predicted - peak.measured) <= 0.01 * peak.measured
+
+
+def test_the_copies_and_the_cpu_step_get_the_offload_lanes(tmp_path) -> None:
+    """The same lanes as FSDP1's CPUOffload and DeepSpeed's offload: h2d, d2h and the host."""
+    import json
+
+    from sim.outputs.chrome_trace import write_chrome_trace
+    from sim.outputs.timeline import layout_lanes, shown_ranks
+
+    r = simulate(_offload(), _profile())
+    ops = r.events.ops_by_rank
+    streams = {stream for _, stream in layout_lanes(shown_ranks(r.events, ops, None), ops).y}
+    assert {Stream.H2D, Stream.D2H, Stream.HOST, Stream.ALL_GATHER, Stream.REDUCE_SCATTER} <= streams
+    path = tmp_path / "trace.json"
+    write_chrome_trace(r.events, path)
+    events = json.loads(path.read_text())["traceEvents"]
+    threads = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {"stream 32 h2d", "stream 36 d2h"} <= threads
+
+
+def test_the_vectorised_engine_gives_the_simpy_table_with_offload() -> None:
+    def run(engine: str):
+        s = _offload(parallel={"world_size": 8}, simulation={"compute_jitter": 0.05, "engine": engine})
+        return simulate(s, _profile())
+
+    simpy, vector = run("simpy"), run("vector")
+    for rank in vector.events.simulated_ranks:
+        a = sorted((o.op_id, o.name, o.start_s, o.end_s) for o in simpy.events.ops_of(rank))
+        b = sorted((o.op_id, o.name, o.start_s, o.end_s) for o in vector.events.ops_of(rank))
+        assert [x[:2] for x in a] == [x[:2] for x in b]
+        assert [t for x in a for t in x[2:]] == pytest.approx([t for x in b for t in x[2:]])
+
+
+def test_llama2_7b_on_8_ranks_keeps_16_bytes_a_parameter_on_the_host_and_none_on_the_device() -> None:
+    from sim.schedule.model_state import host_bytes, model_state
+    from sim.simulate import build_step, scenario_profile
+
+    s = make_scenario(
+        model={"preset": "llama2-7b"},
+        parallel={"world_size": 8, "cpu_offload": True},
+        precision={"param_dtype": "bf16"},
+    )
+    step, _, _ = build_step(s, scenario_profile(s, _profile()))
+    # every parameter's dim 0 of Llama-2-7B (32000, 4096, 11008) divides by 8: no padding
+    assert host_bytes(step) == 16 * 6_738_415_616 // 8  # fp32 shard, gradient, exp_avg, exp_avg_sq
+    assert model_state(step).total == 0

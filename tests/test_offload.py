@@ -132,6 +132,7 @@ def test_calibrate_host_writes_the_node_section(tmp_path: Path, monkeypatch: pyt
     assert (
         node["cpu_torch_adamw_s_per_param"] > 0 and node["nvme_read_Bps"] > 0 and node["nvme_write_Bps"] > 0
     )
+    assert node["cpu_torch_sgd_s_per_param"] > 0  # torch's SGD with momentum (FSDP2's CPU offload)
     assert node["pcie_gen"] == 5  # the base profile's fields are kept
     profile_from_dict(json.loads(out.read_text()), str(out))
 

@@ -98,7 +98,7 @@ class StepReport:
     ranks_simulated: int
     per_rank: tuple[RankFigures, ...]
     padding: Padding | None = None
-    host_memory_bytes: int = 0  # pinned host memory per rank (offload)
+    host_memory_bytes: int = 0  # host memory per rank (offload; pinned unless FSDP2 is told otherwise)
     nvme_bytes: int = 0  # what a rank keeps on NVMe (ZeRO-Infinity)
     offload_bytes: Mapping[str, int] = field(default_factory=dict)  # per step, by stream: h2d, d2h, nvme
     zero_infinity: Mapping[str, int] | None = None  # the paper's working-memory formulas (DeepSpeed)

@@ -34,7 +34,7 @@ def _offload_lines(r: StepReport) -> list[str]:
     lines = []
     if r.host_memory_bytes or r.nvme_bytes:
         lines.append(
-            f"offload       host {gib(r.host_memory_bytes)} per rank (pinned), NVMe {gib(r.nvme_bytes)} per rank"
+            f"offload       host {gib(r.host_memory_bytes)} per rank, NVMe {gib(r.nvme_bytes)} per rank"
         )
     if r.offload_bytes:
         moved = ", ".join(f"{k} {gib(v)}" for k, v in r.offload_bytes.items())

@@ -102,9 +102,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
             name="optimizer step (CPU)",
             unit=ROOT,
             microbatch=cfg.grad_accum - 1,
-            duration_s=cfg.host_costs.cpu_adamw_s(numel_per_rank(cfg))
-            if cfg.optimizer.value != "none"
-            else 0.0,
+            duration_s=cfg.host_costs.cpu_torch_optimizer_s(cfg.optimizer, numel_per_rank(cfg)),
             deps=self.issued((last,)),
         )
 

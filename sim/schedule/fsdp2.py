@@ -16,6 +16,8 @@ On a one-rank shard group (``world_size == 1``, or HYBRID_SHARD with ``shard_gro
 FSDP2 issues neither all-gather nor reduce-scatter: ``wait_for_unshard`` copies each sharded
 parameter into its unsharded storage, and ``foreach_reduce`` copies the reduce-scatter input into
 its output (``_fsdp_param_group.py`` / ``_fsdp_collectives.py``, ``world_size == 1``).
+With ``CPUOffloadPolicy`` the shards come from the host before each all-gather and the reduced
+gradients go back after each reduction (``sim.schedule.fsdp2_offload``).
 """
 
 from dataclasses import dataclass, field
