@@ -34,8 +34,30 @@ CONFIGS: list[tuple[str, str, list[str]]] = [
     ("tiny, 4 ranks, fp32, checkpointing", TINY, ["parallel.world_size=4", "checkpointing.mode=full"]),
     ("Llama-2-7B, 8 ranks, bf16", MEMORY_BASE, _BF16),
     ("Llama-2-7B, 8 ranks, bf16, checkpointing", MEMORY_BASE, [*_BF16, "checkpointing.mode=full"]),
+    (
+        "Llama-2-7B, 8 ranks, bf16, LoRA r16 all linear",
+        MEMORY_BASE,
+        [*_BF16, "finetune.method=lora", "finetune.rank=16", 'finetune.target_modules="all-linear"'],
+    ),
+    (  # QLoRA runs on real bitsandbytes tensors (validation.fake_memory): a small model
+        "OLMo-2-1B, 8 ranks, 1 × 256, QLoRA r16 all linear",
+        MEMORY_BASE,
+        [
+            "model.preset=olmo-2-1b",
+            "training.micro_batch=1",
+            "training.seq_len=256",
+            *_BF16,
+            "finetune.method=qlora",
+            "finetune.rank=16",
+            'finetune.target_modules="all-linear"',
+        ],
+    ),
 ]
 OFFLOAD = ["parallel.cpu_offload=true", "parallel.cpu_offload_pin_memory=false"]
+
+
+def _size(nbytes: float) -> str:
+    return gib(nbytes) if nbytes >= 1 << 30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _row(name: str, path: str, sets: list[str], timeout_s: float) -> str:
@@ -44,9 +66,9 @@ def _row(name: str, path: str, sets: list[str], timeout_s: float) -> str:
     off = measure_fake_memory_subprocess(path, sets, timeout_s)
     peak = compare_memory(load_scenario(path, [*sets, *OFFLOAD]), on).rows[0]
     error = f"{peak.error:+.1%}" if peak.error is not None else "n/a"
-    same = "yes" if on["total"] == off["total"] else f"no ({gib(off['total'])})"
+    same = "yes" if on["total"] == off["total"] else f"no ({_size(off['total'])})"
     return (
-        f"| {name} | {gib(peak.predicted)} | {gib(peak.measured)} | {error} | {same} | "
+        f"| {name} | {_size(peak.predicted)} | {_size(peak.measured)} | {error} | {same} | "
         f"{time.perf_counter() - start:.0f} s |"
     )
 
@@ -64,7 +86,7 @@ def section(timeout_s: float) -> str:
             'CUDA enabled", also under `FakeTensorMode`) and `pin_memory()` needs an accelerator. These rows',
             "check the wiring and the no-op, not the device memory on a GPU (that is tested against the",
             "source, `tests/test_fsdp2_offload.py`). Measured with torch "
-            f"{torch.__version__} on {platform.machine()} ({platform.processor() or 'CPU'}).",
+            f"{torch.__version__} on this {platform.machine()} VM (2 cores, shared).",
             "",
             "| configuration | predicted peak | measured peak (offload) | error | same as without offload | wall |",
             "|---|---|---|---|---|---|",
