@@ -1,4 +1,5 @@
-"""``python -m hfmodel describe CONFIG --micro-batch B --seq-len S --dtype D --out FILE``:
+"""``python -m hfmodel describe CONFIG --micro-batch B --seq-len S --dtype D --out FILE``
+(``--decoder-seq-len T`` for an encoder-decoder):
 measure a config.json's model and write its description (atomically). Exit 2 on a user mistake."""
 
 import argparse
@@ -18,6 +19,7 @@ def main(argv: list[str]) -> int:
     d.add_argument("--micro-batch", type=int, required=True)
     d.add_argument("--seq-len", type=int, required=True)
     d.add_argument("--dtype", default="bf16")
+    d.add_argument("--decoder-seq-len", type=int, default=None, help="an encoder-decoder's decoder length")
     d.add_argument("--out", required=True)
     d.add_argument("--finetune", default=None, help="JSON: method, rank, alpha, dropout, target_modules, ...")
     args = parser.parse_args(argv)
@@ -32,6 +34,7 @@ def main(argv: list[str]) -> int:
             dtype=args.dtype,
             name=args.name,
             finetune=json.loads(args.finetune) if args.finetune else None,
+            decoder_seq_len=args.decoder_seq_len,
         )
         write_json_atomic(args.out, result)
     except UserError as e:

@@ -1,6 +1,9 @@
-"""Build a ``transformers`` causal LM from a config dict, as training runs it: SDPA attention (or
-the measuring probe), no KV cache, MoE experts as grouped matmuls (``experts_implementation =
-"grouped_mm"``, the dropless token-sorted path torchtitan also uses)."""
+"""Build a ``transformers`` language model from a config dict, as training runs it: SDPA attention
+(or the measuring probe), no KV cache, MoE experts as grouped matmuls (``experts_implementation =
+"grouped_mm"``, the dropless token-sorted path torchtitan also uses). A decoder-only config builds
+its causal LM; an encoder-decoder one (``is_encoder_decoder``: T5) its sequence-to-sequence LM
+(``T5ForConditionalGeneration``), trained as transformers trains it: ``model(input_ids, labels)``,
+the decoder's input the labels shifted right."""
 
 import copy
 from typing import Any
@@ -40,24 +43,31 @@ def hf_config(config: dict[str, Any], *, attn: str = "sdpa") -> Any:
     return cfg
 
 
+def is_encoder_decoder(cfg: Any) -> bool:
+    return bool(getattr(cfg, "is_encoder_decoder", False))
+
+
 def build_causal_lm(cfg: Any, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
-    """``AutoModelForCausalLM.from_config`` on the current device context (meta, fake or CPU)."""
-    from transformers import AutoModelForCausalLM
+    """``AutoModelForCausalLM.from_config`` (an encoder-decoder: ``AutoModelForSeq2SeqLM``) on the
+    current device context (meta, fake or CPU)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     torch.manual_seed(seed)
+    auto = AutoModelForSeq2SeqLM if is_encoder_decoder(cfg) else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = auto.from_config(cfg, dtype=dtype)
     except ValueError as e:
         if cfg._attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(e):
             raise UserError(f"config.json: no causal-LM class for {cfg.model_type!r} ({e})") from None
         cfg._attn_implementation = "eager"  # a class without SDPA support (Gemma 2's soft-capping)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = auto.from_config(cfg, dtype=dtype)
     return model.train()
 
 
 def block_prefixes(model: nn.Module) -> list[str]:
     """Module paths of the wrap units: the instances of the class's ``_no_split_modules``, in
-    registration (forward) order, outermost only."""
+    registration (forward) order, outermost only. An encoder-decoder has two stacks of them
+    (``encoder.block.*`` then ``decoder.block.*``): the encoder runs first."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     found: list[str] = []
     for path, module in model.named_modules():

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfmodel.build import block_prefixes, build_causal_lm, hf_config
+from hfmodel.build import block_prefixes, build_causal_lm, hf_config, is_encoder_decoder
 from hfmodel.finetune import FULL, apply_lora, frozen_params, quantized_params
 from hfmodel.probe import PROBE, ProbeRecorder
 from hfmodel.trace import HostCalls, OpRecord, Owners, SavedBytes, Tracer, finish
 from sim.dtypes import canonical_dtype
+from sim.errors import UserError
 from sim.workload.description import DESCRIPTION_VERSION
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,6 +73,8 @@ def _moe(cfg: Any) -> dict[str, int] | None:
 
 
 def _dims(cfg: Any, n_blocks: int, tied: bool) -> dict[str, Any]:
+    """The config's dimensions (T5's ``d_model``, ``num_heads``, ``d_kv`` through its attribute
+    map; its ``d_ff``; an encoder-decoder's ``n_layers`` counts both stacks' blocks)."""
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return {
@@ -80,7 +83,7 @@ def _dims(cfg: Any, n_blocks: int, tied: bool) -> dict[str, Any]:
         "n_heads": heads,
         "n_kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
         "head_dim": head_dim,
-        "ffn_hidden": getattr(cfg, "intermediate_size", 0) or 4 * cfg.hidden_size,
+        "ffn_hidden": getattr(cfg, "intermediate_size", 0) or getattr(cfg, "d_ff", 0) or 4 * cfg.hidden_size,
         "vocab": cfg.vocab_size,
         "tie_embeddings": tied,
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
@@ -127,6 +130,39 @@ def _meta_facts(cfg: Any, dtype: torch.dtype, finetune: dict[str, Any] | None = 
     }
 
 
+def _keep_representatives(model: nn.Module, cfg: Any, blocks: list[str], reps: list[int]) -> dict[str, str]:
+    """Trim every stack of blocks (one for a decoder, the encoder's and the decoder's for an
+    encoder-decoder) to its representatives; returns each kept block's path in the trimmed model
+    -> its path in the whole one."""
+    modules = dict(model.named_modules())
+    keep = set(reps)
+    stacks: dict[str, list[int]] = {}
+    for i, path in enumerate(blocks):
+        stacks.setdefault(path.rpartition(".")[0], []).append(i)
+    rename: dict[str, str] = {}
+    for container_path, indices in stacks.items():
+        kept = [i for i in indices if i in keep]
+        rename |= {f"{container_path}.{j}": blocks[i] for j, i in enumerate(kept)}
+        container = modules[container_path]
+        if not isinstance(container, nn.ModuleList) or len(kept) == len(indices):
+            continue
+        parent, _, attr = container_path.rpartition(".")
+        setattr(modules[parent] if parent else model, attr, nn.ModuleList([modules[blocks[i]] for i in kept]))
+        if len(stacks) == 1:  # a decoder's layer count (an encoder-decoder's stacks loop over their lists)
+            for owner in (cfg, getattr(cfg, "text_config", None)):
+                if owner is not None and hasattr(owner, "num_hidden_layers"):
+                    owner.num_hidden_layers = len(kept)
+    return rename
+
+
+def _inputs(cfg: Any, batch: int, seq: int, decoder_seq: int) -> dict[str, Any]:
+    """A training step's inputs: token ids and labels; an encoder-decoder's labels (its decoder's
+    tokens, shifted right into the decoder's input) have the decoder's own length."""
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    labels = torch.randint(0, cfg.vocab_size, (batch, decoder_seq)) if is_encoder_decoder(cfg) else ids
+    return {"input_ids": ids, "labels": labels}
+
+
 def _trace(
     cfg: Any,
     dtype: torch.dtype,
@@ -135,21 +171,13 @@ def _trace(
     batch: int,
     seq: int,
     finetune: dict[str, Any] | None = None,
+    decoder_seq: int | None = None,
 ):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         model = build_causal_lm(cfg, dtype)
-        modules = dict(model.named_modules())
-        container_path = blocks[0].rpartition(".")[0]
-        container = modules[container_path]
-        keep = sorted(set(reps))
-        if isinstance(container, nn.ModuleList) and len(keep) < len(blocks):
-            parent, _, attr = container_path.rpartition(".")
-            setattr(modules[parent] if parent else model, attr, nn.ModuleList([container[i] for i in keep]))
-            for owner in (cfg, getattr(cfg, "text_config", None)):
-                if owner is not None and hasattr(owner, "num_hidden_layers"):
-                    owner.num_hidden_layers = len(keep)
+        rename = _keep_representatives(model, cfg, blocks, reps)
         model = _finetuned(model, finetune)
         paths = {id(m): p for p, m in model.named_modules()}
         params = list(model.parameters())
@@ -157,10 +185,9 @@ def _trace(
         tracer = Tracer(owners, params)
         probe = ProbeRecorder(tracer, paths)
         probe.register()
-        vocab = cfg.vocab_size
-        ids = torch.randint(0, vocab, (batch, seq))
+        step_inputs = _inputs(cfg, batch, seq, decoder_seq or seq)
         with tracer, HostCalls(owners, tracer), SavedBytes(tracer).hooks:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(**step_inputs).loss
             tracer.backward = True
             loss.backward()
         grads = {tracer_key(p.grad) for p in params if p.grad is not None}
@@ -170,8 +197,6 @@ def _trace(
         # it): then the model's ops count it, else the kernel's own saved output must be added
         counted = [uid is not None and uid in tracer.saved for uid in probe.outputs]
         extra = [_view_storage_extra(inputs, tracer.saved) for inputs in probe.inputs]
-        # the kept blocks' module paths in the trimmed model are their position among ``keep``
-        rename = {f"{container_path}.{j}": f"{container_path}.{i}" for j, i in enumerate(keep)}
     calls = [
         {**call.__dict__, "output_counted": c, "extra_saved_bytes": x}
         for call, c, x in zip(probe.calls, counted, extra, strict=True)
@@ -212,9 +237,12 @@ def describe(
     dtype: str,
     name: str,
     finetune: dict[str, Any] | None = None,
+    decoder_seq_len: int | None = None,
 ) -> dict[str, Any]:
     """The description (a JSON-ready dict, ``sim.workload.description`` reads it); ``finetune``
-    (method, rank, alpha, dropout, target_modules, ...) describes the model LoRA trains."""
+    (method, rank, alpha, dropout, target_modules, ...) describes the model LoRA trains;
+    ``decoder_seq_len`` is an encoder-decoder's decoder length (default ``seq_len``; a decoder-only
+    model refuses another)."""
     from hfmodel.ops import assemble_ops
 
     dtype = canonical_dtype(dtype)
@@ -222,8 +250,9 @@ def describe(
     cfg = hf_config(config, attn=PROBE)
     meta = _meta_facts(cfg, TORCH_DTYPES[dtype], finetune)
     blocks = meta["blocks"]
+    decoder_seq = _decoder_seq_len(cfg, seq_len, decoder_seq_len)
     ops, calls, rename = _trace(
-        cfg, TORCH_DTYPES[dtype], meta["reps"], blocks, micro_batch, seq_len, finetune
+        cfg, TORCH_DTYPES[dtype], meta["reps"], blocks, micro_batch, seq_len, finetune, decoder_seq
     )
     for op in ops:
         op.owner = (
@@ -247,6 +276,7 @@ def describe(
         "measured": {
             "micro_batch": micro_batch,
             "seq_len": seq_len,
+            **({"decoder_seq_len": decoder_seq} if decoder_seq is not None else {}),
             "dtype": dtype,
             "transformers": metadata.version("transformers"),
             "torch": torch.__version__,
@@ -254,6 +284,20 @@ def describe(
         "ops": assemble_ops(ops, calls, meta, blocks),
         "finetune": meta["finetune"],
     }
+
+
+def _decoder_seq_len(cfg: Any, seq_len: int, decoder_seq_len: int | None) -> int | None:
+    """An encoder-decoder's decoder length (``seq_len`` unless given); None for a decoder-only model."""
+    if not is_encoder_decoder(cfg):
+        if decoder_seq_len not in (None, seq_len):
+            raise UserError(
+                f"training.decoder_seq_len = {decoder_seq_len}: model_type {cfg.model_type!r} has no "
+                "decoder stack of its own (decoder_seq_len is for encoder-decoder models such as T5)"
+            )
+        return None
+    if decoder_seq_len is not None and decoder_seq_len <= 0:
+        raise UserError(f"training.decoder_seq_len must be > 0, got {decoder_seq_len}")
+    return decoder_seq_len or seq_len
 
 
 def describe_ops_debug(ops: list[OpRecord]) -> list[str]:

@@ -108,20 +108,28 @@ def _names(entries: list[dict[str, Any]]) -> None:
 def assemble_ops(
     ops: list[OpRecord], calls: list[dict[str, Any]], meta: dict[str, Any], blocks: list[str]
 ) -> list[dict[str, Any]]:
+    """The ops in forward order, every block's from its representative's. The ops outside blocks
+    stay where they ran: an encoder-decoder's encoder stack, its final norm and the decoder's
+    embedding, then the decoder stack and the head. The traced model holds each stack's
+    representatives only; a stack's blocks are emitted, all of them, where its first traced
+    block ran (ops between a stack's blocks, should a model have any, come after it)."""
     entries = _entries(ops, calls, set(meta["direct_3d"]))
     for e in entries:
         e["block"] = _block_of(e["module"], blocks)
-    pre = [e for e in entries if e["block"] is None and not _after_blocks(e, entries)]
-    post = [e for e in entries if e["block"] is None and _after_blocks(e, entries)]
-    out = list(pre)
-    for i, rep in enumerate(meta["reps"]):
-        out += [_rename(e, blocks[rep], blocks[i], i) for e in entries if e["block"] == rep]
-    out += post
+    stacks = [b.rpartition(".")[0] for b in blocks]
+    out: list[dict[str, Any]] = []
+    emitted: set[str] = set()
+    for e in entries:
+        if e["block"] is None:
+            out.append(e)
+            continue
+        stack = stacks[e["block"]]
+        if stack in emitted:
+            continue
+        emitted.add(stack)
+        for i, rep in enumerate(meta["reps"]):
+            if stacks[i] == stack:
+                out += [_rename(x, blocks[rep], blocks[i], i) for x in entries if x["block"] == rep]
     _with_params(out, meta["param_modules"])
     _names(out)
     return out
-
-
-def _after_blocks(entry: dict[str, Any], entries: list[dict[str, Any]]) -> bool:
-    index = entries.index(entry)
-    return any(e["block"] is not None for e in entries[:index])

@@ -6,6 +6,12 @@ a fused kernel; the s² scores on the math path) depends on the kernel the hardw
 the model, so the simulator adds it per kernel (``sim.workload.layers.attention_op``); the probe
 lets the model's own work around it (projections, RoPE, q/k norms, the output copy) be measured
 without the CPU kernel's choices leaking in.
+
+A learned additive bias (T5's relative position bias, ``position_bias``) is the model's, not the
+kernel's: the probe builds the float mask from it as transformers' SDPA path does
+(``create_position_bias_mask``: the bias, with the causal triangle filled in a causal call),
+hands it to the empty kernel and returns a gradient of its shape, so that the bias's gradient
+accumulates over a stack's blocks in backward, as it does in training.
 """
 
 from dataclasses import dataclass
@@ -27,23 +33,31 @@ class AttentionCall:
     v_head_dim: int
     causal: bool
     window: int | None
+    kv_seq_len: int | None = None  # keys per query where they differ (cross-attention)
+    dropout: float = 0.0  # attention dropout probability (T5 trains with its dropout_rate)
+    bias: bool = False  # an additive float bias (T5's relative position bias) masks the scores
 
 
 class _Empty(torch.autograd.Function):
     """Output of the attention's shape; gradients of q, k, v of theirs; nothing saved."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # shapes only: holding q, k, v would keep them alive to the end of the trace, where they
         # would count as every later op's transient (the kernel's own saved q, k, v are added
         # by the simulator)
         ctx.shapes = tuple((t.shape, t.dtype) for t in (q, k, v))
+        ctx.bias = None if bias is None else (bias.shape, bias.dtype)
         b, h, s, _ = q.shape
         return q.new_empty(b, s, h, v.shape[-1])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(grad.new_empty(shape, dtype=dtype) for shape, dtype in ctx.shapes)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = tuple(grad.new_empty(shape, dtype=dtype) for shape, dtype in ctx.shapes)
+        bias = None if ctx.bias is None else grad.new_empty(ctx.bias[0], dtype=ctx.bias[1])
+        return (*grads, bias)
 
 
 class ProbeRecorder:
@@ -80,6 +94,9 @@ class ProbeRecorder:
                 v_head_dim=value.shape[-1],
                 causal=bool(getattr(module, "is_causal", True)),
                 window=int(window) if window else None,
+                kv_seq_len=key.shape[2] if key.shape[2] != query.shape[2] else None,
+                dropout=float(kwargs.get("dropout") or 0.0),
+                bias=kwargs.get("position_bias") is not None,
             )
         )
         self.inputs.append(
@@ -90,7 +107,8 @@ class ProbeRecorder:
         )
         self.tracer.probe_owner = f"attention:{path}"
         try:
-            out = _Empty.apply(query, key, value)
+            bias = _bias_mask(module, query, key, kwargs)
+            out = _Empty.apply(query, key, value, bias)
             self.outputs.append(self.tracer.uid_of(out))
             if out.grad_fn is not None and self.tracer.ops:
                 self.tracer.node_op[out.grad_fn] = self.tracer.ops[-1].index
@@ -104,6 +122,20 @@ class ProbeRecorder:
 
 
 ACTIVE: list[ProbeRecorder] = []
+
+
+def _bias_mask(module: Any, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """The float mask transformers' SDPA path builds from a ``position_bias``
+    (``integrations/sdpa_attention.py``), for one sequence per row (no padding mask: the
+    training step passes none); None without a bias."""
+    bias = kwargs.get("position_bias")
+    if bias is None:
+        return None
+    from transformers.integrations.sdpa_attention import create_position_bias_mask
+
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal) and query.shape[2] > 1
+    return create_position_bias_mask(bias, None, causal, query, key)
 
 
 def probe_attention(

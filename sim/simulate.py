@@ -104,6 +104,7 @@ def build_step(
     workload = Workload(
         micro_batch=training.micro_batch,
         seq_len=training.seq_len,
+        decoder_seq_len=training.decoder_seq_len,
         act_bytes=dtype_bytes(scenario.param_dtype),
         attention_kernel=profile.backend.attention_kernel,
         loss=training.loss,

@@ -160,7 +160,12 @@ def _set_prefetch(units: list[Any], scenario: Scenario) -> None:
 
 
 def batch(scenario: Scenario, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels; an encoder-decoder's labels are its decoder's tokens (its decoder's
+    length; transformers shifts them right into the decoder's input)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     t = scenario.training
     ids = torch.randint(0, scenario.model.vocab, (t.micro_batch, t.seq_len), generator=g)
+    d = scenario.model.description
+    if d is not None and d.decoder_seq_len is not None:
+        return ids, torch.randint(0, scenario.model.vocab, (t.micro_batch, d.decoder_seq_len), generator=g)
     return ids, ids.clone()

@@ -92,16 +92,16 @@ class GpuKernelModel:
 
     def attention_s(self, shape: AttentionShape, kernel: str) -> tuple[float, float]:
         """(forward, backward) seconds of one attention call."""
-        fwd_flops = 4.0 * shape.batch * shape.seq_len**2 * shape.heads * shape.head_dim
+        fwd_flops = 4.0 * shape.batch * shape.seq_len * shape.kv_len * shape.heads * shape.head_dim
         if shape.causal:
             fwd_flops /= 2
         rate = self.attention_rate(shape, kernel) if kernel != "math" else None
         if rate is not None:
             return fwd_flops / rate, FA_BACKWARD_OVER_FORWARD * fwd_flops / rate
         # the math path: QKᵀ and AV as batched matmuls, softmax over the fp32 scores
-        b, s, d = shape.batch * shape.heads, shape.seq_len, shape.head_dim
-        matmuls = b * (self.gemm_s(s, s, d) + self.gemm_s(s, d, s))
-        softmax = self.memory_s(b * s * s * (4 + 4 + self.act_bytes))
+        b, s, kv, d = shape.batch * shape.heads, shape.seq_len, shape.kv_len, shape.head_dim
+        matmuls = b * (self.gemm_s(s, kv, d) + self.gemm_s(s, d, kv))
+        softmax = self.memory_s(b * s * kv * (4 + 4 + self.act_bytes))
         return matmuls + softmax, 2 * matmuls + 2 * softmax
 
     # -- memory-bound work -----------------------------------------------------------------

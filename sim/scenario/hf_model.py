@@ -128,12 +128,15 @@ def _extract(
     dtype: str,
     where: str,
     finetune: dict[str, Any] | None,
+    decoder_seq_len: int | None,
 ) -> None:
     root = Path(__file__).resolve().parent.parent.parent
     cmd = [sys.executable, "-m", "hfmodel", "describe", str(config_path), "--name", name]
     cmd += ["--micro-batch", str(micro_batch), "--seq-len", str(seq_len), "--dtype", dtype, "--out", str(out)]
     if finetune is not None:
         cmd += ["--finetune", json.dumps(finetune, sort_keys=True)]
+    if decoder_seq_len is not None:
+        cmd += ["--decoder-seq-len", str(decoder_seq_len)]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     )
@@ -157,16 +160,21 @@ def describe_config(
     dtype: str,
     where: str,
     finetune: dict[str, Any] | None = None,
+    decoder_seq_len: int | None = None,
 ) -> ModelDescription:
     """The description of ``config_path`` at these dims (and fine-tuning settings, measured with
-    PEFT): from the cache, else measured and cached."""
+    PEFT; an encoder-decoder's decoder length, ``seq_len`` when None): from the cache, else
+    measured and cached."""
     config = read_config(config_path, where)
     sha = config_sha256(config)
     version = _transformers_version(where)
     tune = finetune_key(finetune)
+    if decoder_seq_len == seq_len:
+        decoder_seq_len = None  # the default: one measurement
+    decoder = "" if decoder_seq_len is None else f"-d{decoder_seq_len}"
     cached = (
         cache_dir()
-        / f"{name}-{sha[:16]}-mb{micro_batch}-s{seq_len}-{dtype}-{tune}-v{DESCRIPTION_VERSION}-tf{version}.json"
+        / f"{name}-{sha[:16]}-mb{micro_batch}-s{seq_len}{decoder}-{dtype}-{tune}-v{DESCRIPTION_VERSION}-tf{version}.json"
     )
     if not cached.is_file():
         _extract(
@@ -178,6 +186,7 @@ def describe_config(
             dtype=dtype,
             where=where,
             finetune=finetune,
+            decoder_seq_len=decoder_seq_len,
         )
     description = parse_description(read_json(cached, "model description"), str(cached))
     if description.config_sha256 != sha:

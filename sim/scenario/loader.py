@@ -117,6 +117,7 @@ def _described_model(section: ModelSection, built: dict[str, Any], where: str) -
         name=name,
         micro_batch=training.micro_batch,
         seq_len=training.seq_len,
+        decoder_seq_len=training.decoder_seq_len,
         dtype=canonical_dtype(precision.param_dtype),
         where=where,
         finetune=finetune.settings() if finetune.lora else None,
@@ -157,6 +158,7 @@ def _check(s: Scenario, where: str) -> None:
 
     for name in ("micro_batch", "seq_len", "grad_accum"):
         positive(f"training.{name}", getattr(s.training, name))
+    _check_decoder_seq_len(s, where)
     avg = s.training.avg_seq_len
     if avg is not None and not 0 < avg <= s.training.seq_len:
         raise UserError(
@@ -429,6 +431,20 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
     )
     _check(scenario, where)
     return replace(scenario, warnings=_warnings(scenario, where))
+
+
+def _check_decoder_seq_len(s: Scenario, where: str) -> None:
+    dec = s.training.decoder_seq_len
+    if dec is None:
+        return
+    if dec <= 0:
+        raise UserError(f"{where}: training.decoder_seq_len must be > 0, got {dec}")
+    d = s.model.description
+    if d is None or d.decoder_seq_len is None:
+        raise UserError(
+            f"{where}: training.decoder_seq_len is for encoder-decoder models (T5); model {s.model.name} "
+            "is a decoder: use training.seq_len"
+        )
 
 
 def _warnings(s: Scenario, where: str) -> tuple[str, ...]:

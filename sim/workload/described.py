@@ -29,11 +29,12 @@ KINDS = {k.value: k for k in LayerKind}
 
 
 def _check_workload(d: ModelDescription, w: Workload) -> None:
-    measured = (d.micro_batch, d.seq_len)
-    if measured != (w.micro_batch, w.seq_len):
+    measured = (d.micro_batch, d.seq_len, d.decoder_seq_len)
+    decoder = None if d.decoder_seq_len is None else (w.decoder_seq_len or w.seq_len)
+    if measured != (w.micro_batch, w.seq_len, decoder):
         raise UserError(
-            f"model {d.name}: described at micro-batch {d.micro_batch} and sequence length {d.seq_len}, "
-            f"asked for {w.micro_batch} and {w.seq_len}"
+            f"model {d.name}: described at micro-batch {d.micro_batch} and sequence length {d.seq_len} "
+            f"(decoder {d.decoder_seq_len}), asked for {w.micro_batch} and {w.seq_len} (decoder {decoder})"
         )
 
 
@@ -49,6 +50,9 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
         causal=a.causal,
         v_head_dim=a.v_head_dim if a.v_head_dim != a.head_dim else None,
         window=a.window,
+        kv_seq_len=a.kv_seq_len,
+        dropout=a.dropout,
+        bias=a.bias,
     )
     flops, saved, fwd, bwd = attention_kernel_figures(shape, w, output_saved=not a.output_counted)
     # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)

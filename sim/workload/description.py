@@ -7,7 +7,8 @@ here without torch. It holds:
 - ``blocks``: the wrap units, the module paths of the class's ``_no_split_modules``;
 - ``dims``: the config's dimensions (layers, hidden, heads, KV heads, head dim, vocabulary, ...),
   and ``moe`` (experts, top-k, shared experts) when the model has experts;
-- ``measured``: the micro-batch, sequence length and dtype the ops were measured at;
+- ``measured``: the micro-batch, sequence length and dtype the ops were measured at (and an
+  encoder-decoder's ``decoder_seq_len``);
 - ``ops``: the forward in execution order, each with its module, kind, decoder block, the
   parameters it owns, forward FLOPs, the (M, N, K, count) of its matmuls, bytes moved by its
   elementwise work, saved-activation bytes, forward and backward transients and Python-level
@@ -44,6 +45,9 @@ class AttentionCall:
     v_head_dim: int
     causal: bool = True
     window: int | None = None
+    kv_seq_len: int | None = None  # keys per query where they differ (cross-attention)
+    dropout: float = 0.0  # attention dropout probability
+    bias: bool = False  # an additive float bias on the scores (T5's relative position bias)
     output_counted: bool = True  # the model's ops already save the output (a projection keeps it)
     extra_saved_bytes: int = 0  # saving q, k, v keeps the rest of the storages they view
 
@@ -100,6 +104,9 @@ class ModelDescription:
     seq_len: int
     dtype: str
     ops: tuple[DescribedOp, ...]
+    # an encoder-decoder (T5): its decoder's length; its blocks are two stacks, the encoder's then
+    # the decoder's (``blocks``), run in that order in forward and in reverse in backward
+    decoder_seq_len: int | None = None
     config_json: str = "{}"  # the config.json itself, so that validation builds the same model
     finetune: FinetuneFacts | None = None
     key: str = field(default="")
@@ -149,6 +156,9 @@ def _op(raw: Any, where: str) -> DescribedOp:
             **{k: a.get(k, int) for k in ("batch", "seq_len", "heads", "kv_heads", "head_dim", "v_head_dim")},
             causal=a.get("causal", bool),
             window=att.get("window"),
+            kv_seq_len=att.get("kv_seq_len"),
+            dropout=float(att.get("dropout", 0.0)),
+            bias=bool(att.get("bias", False)),
             output_counted=a.get("output_counted", bool),
             extra_saved_bytes=a.get("extra_saved_bytes", int),
         )
@@ -201,9 +211,15 @@ def finetune_key(finetune: dict[str, Any] | None) -> str:
 
 
 def description_key(
-    config_sha256: str, micro_batch: int, seq_len: int, dtype: str, finetune: dict[str, Any] | None = None
+    config_sha256: str,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str,
+    finetune: dict[str, Any] | None = None,
+    decoder_seq_len: int | None = None,
 ) -> str:
-    return f"{config_sha256}:{micro_batch}:{seq_len}:{dtype}:{finetune_key(finetune)}:v{DESCRIPTION_VERSION}"
+    decoder = "" if decoder_seq_len is None else f"d{decoder_seq_len}:"
+    return f"{config_sha256}:{micro_batch}:{seq_len}:{decoder}{dtype}:{finetune_key(finetune)}:v{DESCRIPTION_VERSION}"
 
 
 def parse_description(data: Any, where: str) -> ModelDescription:
@@ -225,6 +241,7 @@ def parse_description(data: Any, where: str) -> ModelDescription:
         m.get("dtype", str),
     )
     finetune = _finetune(data.get("finetune"), where)
+    decoder_seq = data["measured"].get("decoder_seq_len")
     if finetune is not None:
         params = finetuned_params(params, finetune, dtype)
     return ModelDescription(
@@ -246,9 +263,10 @@ def parse_description(data: Any, where: str) -> ModelDescription:
         seq_len=seq,
         dtype=dtype,
         ops=ops,
+        decoder_seq_len=decoder_seq,
         config_json=json.dumps(r.get("config", dict), sort_keys=True),
         finetune=finetune,
-        key=description_key(sha, mb, seq, dtype, data.get("finetune")),
+        key=description_key(sha, mb, seq, dtype, data.get("finetune"), decoder_seq),
     )
 
 

@@ -69,6 +69,15 @@ class AttentionShape:
     causal: bool = True
     v_head_dim: int | None = None  # when values differ from queries and keys (DeepSeek's MLA)
     window: int | None = None  # sliding-window attention: keys attended per query at most
+    # keys per query when they differ from the queries' length: an encoder-decoder's
+    # cross-attention (decoder queries over the encoder's output)
+    kv_seq_len: int | None = None
+    dropout: float = 0.0  # attention dropout probability (T5 trains with dropout_rate 0.1)
+    bias: bool = False  # an additive float bias masks the scores (T5's relative position bias)
+
+    @property
+    def kv_len(self) -> int:
+        return self.seq_len if self.kv_seq_len is None else self.kv_seq_len
 
     @property
     def flops_head_dim(self) -> float:
@@ -152,6 +161,8 @@ class Workload:
     act_bytes: int  # activation dtype (param_dtype under FSDP2 MixedPrecisionPolicy)
     attention_kernel: str  # "flash", "cudnn", "efficient" (no seq^2 buffers) or "math"
     loss: LossKernel = LossKernel.EAGER
+    # an encoder-decoder's decoder length (``training.decoder_seq_len``); None for a decoder
+    decoder_seq_len: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -212,6 +223,37 @@ def _linear(spec: ParamSpec, w: Workload, block: int | None) -> LayerOp:
     )
 
 
+# The math path of ``F.scaled_dot_product_attention`` (torch 2.13 ``_scaled_dot_product_attention_math``,
+# measured here with saved-tensor hooks and live storages on bf16 and fp32 inputs, 64-1,024
+# tokens): it upcasts q, k and v to fp32 (its default, ``allow_fp16_bf16_reduction_math_sdp``
+# off) and saves them and the fp32 softmax; with dropout also the fp32 dropout mask and the
+# dropped probabilities; forward transients of 5 B per score (the fp32 scores and
+# ``_safe_softmax``'s bool mask), backward ones of 4 B per score (the fp32 score gradient) and, with
+# an additive bias, the bias's fp32 gradient summed over the batch.
+MATH_SAVED_BYTES_PER_SCORE = FP32_BYTES
+MATH_DROPOUT_SAVED_BYTES_PER_SCORE = 2 * FP32_BYTES
+MATH_FORWARD_TRANSIENT_BYTES_PER_SCORE = FP32_BYTES + 1
+MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE = FP32_BYTES
+
+
+def _math_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tuple[int, int, int]:
+    """(saved, forward transient, backward transient bytes) of the math path (see above)."""
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    q_dim = shape.heads * shape.head_dim
+    kv_dim = shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
+    out_dim = shape.heads * (shape.v_head_dim or shape.head_dim)
+    scores = t * shape.heads * shape.kv_len
+    per_score = MATH_SAVED_BYTES_PER_SCORE + (MATH_DROPOUT_SAVED_BYTES_PER_SCORE if shape.dropout else 0)
+    saved = FP32_BYTES * (t * q_dim + t_kv * kv_dim) + scores * per_score
+    saved += t * out_dim * w.act_bytes if output_saved else 0
+    bias_grad = FP32_BYTES * shape.heads * shape.seq_len * shape.kv_len if shape.bias else 0
+    return (
+        saved,
+        scores * MATH_FORWARD_TRANSIENT_BYTES_PER_SCORE,
+        scores * MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE + bias_grad,
+    )
+
+
 def attention_kernel_figures(
     shape: AttentionShape, w: Workload, *, output_saved: bool = True
 ) -> tuple[float, int, int, int]:
@@ -219,24 +261,24 @@ def attention_kernel_figures(
 
     A fused kernel (flash, memory-efficient, cuDNN) keeps q, k, v, its output and the fp32
     log-sum-exp, and its backward an fp32 dq accumulator; causal masking halves its FLOPs and a
-    sliding window skips the pairs outside it. The math path also keeps the fp32 softmax and
-    its cast, and holds the s² scores as transients. ``output_saved=False`` when the output is
-    counted elsewhere (a described model measures it at the output projection).
+    sliding window skips the pairs outside it; its dropout keeps a random seed, not a mask. The
+    math path keeps fp32 copies and the s² softmax (``_math_figures``). ``output_saved=False``
+    when the output is counted elsewhere (a described model measures it at the output
+    projection). Queries and keys count the call's own tokens: an encoder-decoder's decoder
+    attends over ``decoder_seq_len`` queries, its cross-attention over the encoder's ``seq_len`` keys.
     """
-    t, a, s = w.tokens, w.act_bytes, shape.seq_len
+    a, s = w.act_bytes, shape.kv_len
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * s
     q_dim = shape.heads * shape.head_dim
     out_dim = shape.heads * (shape.v_head_dim or shape.head_dim)
     kv_dim = shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
     flash = w.attention_kernel != "math"
-    saved = t * (a * (q_dim + kv_dim + (out_dim if output_saved else 0)) + FP32_BYTES * shape.heads)
-    fwd_transient = bwd_transient = 0
     if flash:
-        bwd_transient = t * q_dim * FP32_BYTES  # fp32 dq accumulator of the flash backward
+        saved = t * (a * (q_dim + (out_dim if output_saved else 0)) + FP32_BYTES * shape.heads)
+        saved += t_kv * a * kv_dim
+        fwd_transient, bwd_transient = 0, t * q_dim * FP32_BYTES  # the flash backward's fp32 dq
     else:
-        scores = t * shape.heads * s
-        saved += scores * (FP32_BYTES + a)
-        fwd_transient = scores * FP32_BYTES
-        bwd_transient = 2 * scores * FP32_BYTES
+        saved, fwd_transient, bwd_transient = _math_figures(shape, w, output_saved)
     width = shape.heads * shape.flops_head_dim
     if flash and shape.window is not None and shape.window < s:  # keys attended per query, on average
         pairs = shape.window - shape.window**2 / (2.0 * s) if shape.causal else 2.0 * shape.window
