@@ -125,6 +125,7 @@ def _meta_facts(cfg: Any, dtype: torch.dtype, finetune: dict[str, Any] | None = 
             model, blocks, first_alone=finetune is not None and finetune.get("method", FULL) != FULL
         ),
         "param_modules": {n: n.rpartition(".")[0] for n, _ in model.named_parameters()},
+        "param_users": _param_users(model),
         "direct_3d": sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if p.dim() == 3}),
         "finetune": _finetune_facts(model, finetune, blocks),
     }
@@ -161,6 +162,17 @@ def _inputs(cfg: Any, batch: int, seq: int, decoder_seq: int) -> dict[str, Any]:
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     labels = torch.randint(0, cfg.vocab_size, (batch, decoder_seq)) if is_encoder_decoder(cfg) else ids
     return {"input_ids": ids, "labels": labels}
+
+
+def _param_users(model: nn.Module) -> dict[str, list[str]]:
+    """Every module that holds each parameter, a tied one under all its names (T5's ``shared``
+    weight is the encoder's and the decoder's embedding and the head)."""
+    first: dict[int, str] = {}
+    users: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = first.setdefault(id(p), name)
+        users.setdefault(key, []).append(name.rpartition(".")[0])
+    return users
 
 
 def _trace(

@@ -84,17 +84,26 @@ def _rename(entry: dict[str, Any], old: str, new: str, block: int) -> dict[str, 
     return {**entry, "module": module, "block": block, "attention": attention}
 
 
-def _with_params(entries: list[dict[str, Any]], param_modules: dict[str, str]) -> None:
-    """Each parameter to the first op of its module (or of the nearest module that has an op)."""
+def _with_params(
+    entries: list[dict[str, Any]], param_modules: dict[str, str], users: dict[str, list[str]] | None = None
+) -> None:
+    """Each parameter to the first op of its module (or of the nearest module that has an op); a
+    tied parameter to the first op of any module that holds it (T5's shared embedding: the
+    encoder's embedding lookup, not the module it was registered under, which runs nothing)."""
     first: dict[str, dict[str, Any]] = {}
-    for e in entries:
+    for i, e in enumerate(entries):
         e["params"] = []
-        first.setdefault(e["module"], e)
+        first.setdefault(e["module"], {**e, "index": i})
     for name, module in param_modules.items():
+        candidates = [first[m]["index"] for m in (users or {}).get(name, []) if m in first]
+        if candidates:
+            entries[min(candidates)]["params"].append(name)
+            continue
         path = module
         while path not in first and path:
             path = path.rpartition(".")[0]
-        (first.get(path) or entries[0])["params"].append(name)
+        target = first.get(path)
+        entries[target["index"] if target else 0]["params"].append(name)
 
 
 def _names(entries: list[dict[str, Any]]) -> None:
@@ -130,6 +139,6 @@ def assemble_ops(
         for i, rep in enumerate(meta["reps"]):
             if stacks[i] == stack:
                 out += [_rename(x, blocks[rep], blocks[i], i) for x in entries if x["block"] == rep]
-    _with_params(out, meta["param_modules"])
+    _with_params(out, meta["param_modules"], meta.get("param_users"))
     _names(out)
     return out

@@ -14,8 +14,9 @@ Both are divided by the dense peak of the compute dtype.
 
 A described model (``model.config``) counts what its measured ops compute: N is the matmul FLOPs
 of one forward per token over 2 — the parameters a token meets, so a mixture of experts counts
-its active experts only (as MoE MFU is reported) — and the attention term sums each layer's own
-heads and head dimensions.
+its active experts only (as MoE MFU is reported) — and the attention term sums each call's own
+heads, head dimensions, queries and keys (an encoder-decoder's decoder and cross-attention run
+``decoder_seq_len`` queries; its tokens per step are the encoder's, ``seq_len``).
 """
 
 from sim.workload.checkpointing import CheckpointPlan
@@ -36,16 +37,21 @@ def matmul_params(model: ModelConfig) -> int:
     return n_params(model) - (0 if model.tie_embeddings else model.vocab * model.hidden)
 
 
-def _attention_width(d: ModelDescription, block: int | None = None) -> float:
-    """Σ heads × head dimension over the attention calls (of one block, when given)."""
+def _attention_matmul_flops(d: ModelDescription, block: int | None = None) -> float:
+    """Forward FLOPs of QKᵀ and AV over the attention calls (of one block, when given), each
+    4 · batch · queries · keys · heads · head dimension."""
     calls = [op.attention for op in d.ops if op.attention is not None and block in (None, op.block)]
-    return sum(c.heads * (c.head_dim + c.v_head_dim) / 2 for c in calls if c is not None)
+    return sum(
+        4.0 * c.batch * c.seq_len * (c.kv_seq_len or c.seq_len) * c.heads * (c.head_dim + c.v_head_dim) / 2
+        for c in calls
+        if c is not None
+    )
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs of the attention matmuls per token, all layers: 4·L·H·Q·T."""
     if model.description is not None:
-        return 4.0 * _attention_width(model.description) * seq_len
+        return _attention_matmul_flops(model.description) / _tokens(model.description)
     return 4.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
 
 
@@ -60,7 +66,7 @@ def _described_recompute(d: ModelDescription, seq_len: int, plan: CheckpointPlan
             total += sum(op.flops for i, op in enumerate(singles) if i % 2)
             total += sum(op.flops for op in ops if op not in singles)
         else:
-            total += sum(op.flops for op in ops) + 4.0 * _attention_width(d, block) * seq_len * _tokens(d)
+            total += sum(op.flops for op in ops) + _attention_matmul_flops(d, block)
     return total / _tokens(d)
 
 

@@ -254,6 +254,18 @@ def _math_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tup
     )
 
 
+def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
+    """A fused kernel given an additive bias that needs a gradient (T5's relative position bias;
+    flash takes none, so SDPA runs memory-efficient attention): it keeps the bias, one per
+    call broadcast over the batch, its last dimension padded to 16, and its backward allocates the
+    bias's gradient in the broadcast shape, batch × heads × queries × padded keys
+    (torch 2.13 ``_efficient_attention_backward``, ``grad_bias = at::empty(bias->sizes())``).
+    Not validated: no GPU here (the CPU runs the math path)."""
+    padded = 16 * ((shape.kv_len + 15) // 16)
+    per_batch = shape.heads * shape.seq_len * padded * a
+    return per_batch, shape.batch * per_batch
+
+
 def attention_kernel_figures(
     shape: AttentionShape, w: Workload, *, output_saved: bool = True
 ) -> tuple[float, int, int, int]:
@@ -277,6 +289,9 @@ def attention_kernel_figures(
         saved = t * (a * (q_dim + (out_dim if output_saved else 0)) + FP32_BYTES * shape.heads)
         saved += t_kv * a * kv_dim
         fwd_transient, bwd_transient = 0, t * q_dim * FP32_BYTES  # the flash backward's fp32 dq
+        if shape.bias:
+            bias_saved, bias_grad = _fused_bias_bytes(shape, a)
+            saved, bwd_transient = saved + bias_saved, bwd_transient + bias_grad
     else:
         saved, fwd_transient, bwd_transient = _math_figures(shape, w, output_saved)
     width = shape.heads * shape.flops_head_dim
