@@ -36,6 +36,7 @@ class AttentionCall:
     kv_seq_len: int | None = None  # keys per query where they differ (cross-attention)
     dropout: float = 0.0  # attention dropout probability (T5 trains with its dropout_rate)
     bias: bool = False  # an additive float bias (T5's relative position bias) masks the scores
+    bias_grad: bool = False  # and it needs a gradient (learned; T5's cross-attention bias is zeros)
 
 
 class _Empty(torch.autograd.Function):
@@ -97,6 +98,7 @@ class ProbeRecorder:
                 kv_seq_len=key.shape[2] if key.shape[2] != query.shape[2] else None,
                 dropout=float(kwargs.get("dropout") or 0.0),
                 bias=kwargs.get("position_bias") is not None,
+                bias_grad=bool(getattr(kwargs.get("position_bias"), "requires_grad", False)),
             )
         )
         self.inputs.append(

@@ -53,6 +53,7 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
         kv_seq_len=a.kv_seq_len,
         dropout=a.dropout,
         bias=a.bias,
+        bias_grad=a.bias_grad,
     )
     flops, saved, fwd, bwd = attention_kernel_figures(shape, w, output_saved=not a.output_counted)
     # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)

@@ -48,6 +48,7 @@ class AttentionCall:
     kv_seq_len: int | None = None  # keys per query where they differ (cross-attention)
     dropout: float = 0.0  # attention dropout probability
     bias: bool = False  # an additive float bias on the scores (T5's relative position bias)
+    bias_grad: bool = False  # the bias needs a gradient (learned, not T5's zero cross-attention bias)
     output_counted: bool = True  # the model's ops already save the output (a projection keeps it)
     extra_saved_bytes: int = 0  # saving q, k, v keeps the rest of the storages they view
 
@@ -159,6 +160,7 @@ def _op(raw: Any, where: str) -> DescribedOp:
             kv_seq_len=att.get("kv_seq_len"),
             dropout=float(att.get("dropout", 0.0)),
             bias=bool(att.get("bias", False)),
+            bias_grad=bool(att.get("bias_grad", False)),
             output_counted=a.get("output_counted", bool),
             extra_saved_bytes=a.get("extra_saved_bytes", int),
         )

@@ -74,6 +74,7 @@ class AttentionShape:
     kv_seq_len: int | None = None
     dropout: float = 0.0  # attention dropout probability (T5 trains with dropout_rate 0.1)
     bias: bool = False  # an additive float bias masks the scores (T5's relative position bias)
+    bias_grad: bool = False  # the bias is learned: its gradient flows back (not T5's cross-attention)
 
     @property
     def kv_len(self) -> int:
@@ -227,12 +228,13 @@ def _linear(spec: ParamSpec, w: Workload, block: int | None) -> LayerOp:
 # measured here with saved-tensor hooks and live storages on bf16 and fp32 inputs, 64-1,024
 # tokens): it upcasts q, k and v to fp32 (its default, ``allow_fp16_bf16_reduction_math_sdp``
 # off) and saves them and the fp32 softmax; with dropout also the fp32 dropout mask and the
-# dropped probabilities; forward transients of 5 B per score (the fp32 scores and
-# ``_safe_softmax``'s bool mask), backward ones of 4 B per score (the fp32 score gradient) and, with
-# an additive bias, the bias's fp32 gradient summed over the batch.
+# dropped probabilities. Its forward's peak above what it saves (the simulator holds an op's
+# transient on top of its saved bytes) is one low-precision copy of the scores (2 B per score for
+# bf16 inputs, none for fp32: the fp32 scores are gone by the time the saved softmax and dropout
+# tensors exist); its backward holds 4 B per score (the fp32 score gradient) and, with an additive
+# bias, the bias's fp32 gradient summed over the batch.
 MATH_SAVED_BYTES_PER_SCORE = FP32_BYTES
 MATH_DROPOUT_SAVED_BYTES_PER_SCORE = 2 * FP32_BYTES
-MATH_FORWARD_TRANSIENT_BYTES_PER_SCORE = FP32_BYTES + 1
 MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE = FP32_BYTES
 
 
@@ -246,24 +248,21 @@ def _math_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tup
     per_score = MATH_SAVED_BYTES_PER_SCORE + (MATH_DROPOUT_SAVED_BYTES_PER_SCORE if shape.dropout else 0)
     saved = FP32_BYTES * (t * q_dim + t_kv * kv_dim) + scores * per_score
     saved += t * out_dim * w.act_bytes if output_saved else 0
-    bias_grad = FP32_BYTES * shape.heads * shape.seq_len * shape.kv_len if shape.bias else 0
-    return (
-        saved,
-        scores * MATH_FORWARD_TRANSIENT_BYTES_PER_SCORE,
-        scores * MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE + bias_grad,
-    )
+    bias_grad = FP32_BYTES * shape.heads * shape.seq_len * shape.kv_len if shape.bias_grad else 0
+    low_precision_copy = scores * w.act_bytes if w.act_bytes < FP32_BYTES else 0
+    return saved, low_precision_copy, scores * MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE + bias_grad
 
 
 def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
-    """A fused kernel given an additive bias that needs a gradient (T5's relative position bias;
-    flash takes none, so SDPA runs memory-efficient attention): it keeps the bias, one per
-    call broadcast over the batch, its last dimension padded to 16, and its backward allocates the
-    bias's gradient in the broadcast shape, batch × heads × queries × padded keys
+    """A fused kernel given an additive bias (T5's relative position bias; flash takes none, so
+    SDPA runs memory-efficient attention): it keeps the bias, one per call broadcast over the
+    batch, its last dimension padded to 16, and, when the bias is learned, its backward allocates
+    the bias's gradient in the broadcast shape, batch × heads × queries × padded keys
     (torch 2.13 ``_efficient_attention_backward``, ``grad_bias = at::empty(bias->sizes())``).
     Not validated: no GPU here (the CPU runs the math path)."""
     padded = 16 * ((shape.kv_len + 15) // 16)
     per_batch = shape.heads * shape.seq_len * padded * a
-    return per_batch, shape.batch * per_batch
+    return per_batch, shape.batch * per_batch if shape.bias_grad else 0
 
 
 def attention_kernel_figures(
