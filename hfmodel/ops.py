@@ -92,12 +92,14 @@ def _with_params(
     encoder's embedding lookup, not the module it was registered under, which runs nothing)."""
     first: dict[str, dict[str, Any]] = {}
     for i, e in enumerate(entries):
-        e["params"] = []
+        e["params"], e["reuses"] = [], []
         first.setdefault(e["module"], {**e, "index": i})
     for name, module in param_modules.items():
-        candidates = [first[m]["index"] for m in (users or {}).get(name, []) if m in first]
+        candidates = sorted({first[m]["index"] for m in (users or {}).get(name, []) if m in first})
         if candidates:
-            entries[min(candidates)]["params"].append(name)
+            entries[candidates[0]]["params"].append(name)
+            for later in candidates[1:]:  # the gradient of a tied weight appears at its last user
+                entries[later]["reuses"].append(name)
             continue
         path = module
         while path not in first and path:

@@ -26,7 +26,7 @@ from sim.schedule.fsdp2 import build_fsdp2_program
 from sim.schedule.step import StepConfig
 from sim.schedule.zero import build_zero12_program
 from sim.schedule.zero3 import build_zero3_program
-from sim.workload.checkpointing import checkpoint_plan
+from sim.workload.checkpointing import block_input_bytes, checkpoint_plan
 from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
 from sim.workload.layers import LayerOp, Workload, model_buffer_bytes
@@ -164,7 +164,7 @@ def build_step(
         param_bytes=dtype_bytes(scenario.param_dtype),
         reduce_dtype=scenario.reduce_dtype,
         reduce_bytes=dtype_bytes(scenario.reduce_dtype),
-        block_input_bytes=workload.tokens * model.hidden * workload.act_bytes,
+        block_input_bytes=block_input_bytes(model, workload),
         buffer_bytes=model_buffer_bytes(model)
         * dtype_bytes(_buffer_dtype(scenario))
         // dtype_bytes(MASTER_DTYPE),

@@ -244,7 +244,7 @@ class ScheduleBuilder:
         if self.checkpointed(i) and seg.block not in acts.block_inputs:
             kept = self.label("block_input", seg.unit, mb)
             acts.block_inputs[seg.block] = kept  # type: ignore[index]
-            allocs.append(Alloc(label=kept, category=MemoryCategory.ACTIVATIONS, bytes=cfg.block_input_bytes))
+            allocs.append(Alloc(label=kept, category=MemoryCategory.ACTIVATIONS, bytes=cfg.block_input_bytes[seg.block]))
         saved = self.label("activations", seg.unit, mb)
         allocs.append(Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_bytes))
         if self.checkpointed(i):

@@ -304,7 +304,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
                 recomputed.add(seg.block)  # type: ignore[arg-type]
             grads = self.label("view_grads", seg.unit, mb.index)
             mb.view_grads[seg.unit].append(grads)
-            grad_bytes = sum(p.numel for p in seg.params) * cfg.param_bytes
+            grad_bytes = sum(p.numel for p in cfg.gradient_params[i]) * cfg.param_bytes
             self._compute(
                 self.backward_segment(
                     i, mb.index, mb, end_allocs=(Alloc(label=grads, category=Mem.GRADS, bytes=grad_bytes),)

@@ -270,7 +270,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
                 self.recompute_block(seg.block, mb.index, mb)  # type: ignore[arg-type]
                 recomputed.add(seg.block)  # type: ignore[arg-type]
             self._pre_backward(seg.unit)
-            grad_bytes = sum(p.numel for p in seg.params if p.trainable) * cfg.param_bytes
+            grad_bytes = sum(p.numel for p in cfg.gradient_params[i] if p.trainable) * cfg.param_bytes
             grads: tuple[Alloc, ...] = ()
             if grad_bytes or not cfg.finetuned:  # frozen parameters leave no gradient
                 label = self.label("unsharded_grads", seg.unit, mb.index)

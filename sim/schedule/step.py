@@ -3,6 +3,7 @@ sizes and the cost functions, resolved once from a scenario and a profile (``sim
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from sim.core.topology import GroupKind
 from sim.costs.collectives import CollectiveCost
@@ -10,7 +11,8 @@ from sim.costs.compute import ComputeCosts, SegmentFigures
 from sim.costs.offload import HostCosts
 from sim.workload.checkpointing import CheckpointPlan
 from sim.workload.options import Fsdp1Options, Fsdp2Offload, OptimizerName, Strategy, ZeroOptions
-from sim.workload.units import Segment, WrapUnit, flat_param_numel, flat_param_padded_numel
+from sim.workload.params import ParamSpec
+from sim.workload.units import Segment, WrapUnit, flat_param_numel, flat_param_padded_numel, gradient_params
 
 FLAT_PARAM_ALIGNMENT_BYTES = 16  # FSDP1 ``_get_aligned_numel``: TorchInductor's alignment
 
@@ -36,7 +38,9 @@ class StepConfig:
     param_bytes: int
     reduce_dtype: str
     reduce_bytes: int
-    block_input_bytes: int  # what a checkpointed block keeps: its input activations
+    # what each checkpointed block keeps, by block: its input activations
+    # (``sim.workload.checkpointing.block_input_bytes``)
+    block_input_bytes: tuple[int, ...]
     buffer_bytes: int  # unsharded module buffers (RoPE inverse frequencies)
     collective_temp_buffers: bool
     ddp_bucket_bytes: int
@@ -83,6 +87,12 @@ class StepConfig:
         if self.fsdp1 is not None:
             return "FSDP1"
         return "DDP" if self.ddp else "FSDP2"
+
+    @cached_property
+    def gradient_params(self) -> tuple[tuple[ParamSpec, ...], ...]:
+        """Per segment, the parameters whose gradient its backward produces first (a tied one at
+        its last user: ``sim.workload.units.gradient_params``)."""
+        return tuple(gradient_params(self.segments))
 
     @property
     def finetuned(self) -> bool:

@@ -121,6 +121,7 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload) -> Laye
         backward_gemms=op.backward_gemms,
         backward_flops=op.backward_flops,
         backward_memory_bytes=op.backward_memory_bytes,
+        reuses=op.reuses,
     )
     return _attention_op(op, base, w) if op.attention is not None else base
 

@@ -10,7 +10,7 @@ here without torch. It holds:
 - ``measured``: the micro-batch, sequence length and dtype the ops were measured at (and an
   encoder-decoder's ``decoder_seq_len``);
 - ``ops``: the forward in execution order, each with its module, kind, decoder block, the
-  parameters it owns, forward FLOPs, the (M, N, K, count) of its matmuls, bytes moved by its
+  parameters it owns (a tied one at its first user; ``reuses`` names it at the later ones), forward FLOPs, the (M, N, K, count) of its matmuls, bytes moved by its
   elementwise work, saved-activation bytes, forward and backward transients and Python-level
   calls; an attention op also carries its call's shape (the kernel's own work is added per kernel
   by ``sim.workload.layers.attention_kernel_figures``, since it depends on the hardware); and
@@ -71,6 +71,7 @@ class DescribedOp:
     backward_flops: float = 0.0
     backward_memory_bytes: float = 0.0
     backward_gemms: tuple[tuple[int, int, int, int], ...] = ()
+    reuses: tuple[str, ...] = ()  # tied parameters an earlier op owns, used again here
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,6 +182,7 @@ def _op(raw: Any, where: str) -> DescribedOp:
         backward_flops=float(r.get("backward_flops", (int, float))),
         backward_memory_bytes=float(r.get("backward_memory_bytes", (int, float))),
         backward_gemms=_gemms(r.get("backward_gemms", list), where),
+        reuses=tuple(raw.get("reuses", [])),
     )
 
 

@@ -142,6 +142,9 @@ class LayerOp:
     backward_gemms: tuple[tuple[int, int, int, int], ...] | None = None
     backward_flops: float | None = None
     backward_memory_bytes: float | None = None
+    # tied parameters an earlier op owns that this one uses again (T5's shared embedding in the
+    # decoder's embedding and the head): their gradient appears at the last user's backward
+    reuses: tuple[str, ...] = ()
 
     @cached_property
     def group(self) -> CalibrationGroup | None:

@@ -150,6 +150,24 @@ def build_segments(ops: Sequence[LayerOp], units: Sequence[WrapUnit]) -> list[Se
     return segments
 
 
+def gradient_params(segments: Sequence[Segment]) -> list[tuple[ParamSpec, ...]]:
+    """For each segment, the parameters whose gradient its backward produces first: its own, but
+    a tied parameter a later segment uses again (``LayerOp.reuses``) at the last such segment,
+    where backward reaches it first (autograd accumulates the others into that gradient)."""
+    last_user = {}
+    specs = {p.name: p for s in segments for p in s.params}
+    for i, s in enumerate(segments):
+        for p in s.params:
+            last_user.setdefault(p.name, i)
+        for op in s.ops:
+            for name in op.reuses:
+                last_user[name] = i
+    out: list[list[ParamSpec]] = [[] for _ in segments]
+    for name, i in last_user.items():
+        out[i].append(specs[name])
+    return [tuple(ps) for ps in out]
+
+
 def input_needs_grad(unit: WrapUnit, segments: Sequence[Segment]) -> bool:
     """Whether the unit's forward input requires a gradient, i.e. some trainable parameter runs
     before it (FSDP2 registers its post-backward hook on inputs that require one). False for the

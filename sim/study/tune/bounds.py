@@ -23,7 +23,7 @@ def activations_at_forward_end_bytes(step: StepConfig) -> int:
     transient: the saved tensors of every segment outside a checkpoint region, and each region's
     input (and, under op-level SAC, the outputs it keeps): a region frees its intermediates as it ends."""
     segs, figs, plan = step.segments, step.figures, step.checkpoint
-    saved = len(plan.blocks) * step.block_input_bytes
+    saved = sum(step.block_input_bytes[b] for b in plan.blocks)
     for s, f in zip(segs, figs, strict=True):
         if not plan.covers(s.block):
             saved += f.saved_bytes
