@@ -42,14 +42,14 @@ class ModelSection:
 class TrainingSection:
     micro_batch: int = 1
     seq_len: int = 2048
-    # an encoder-decoder's (T5's) decoder length, the labels' tokens; None: seq_len
-    decoder_seq_len: int | None = None
     grad_accum: int = 1
     avg_seq_len: int | None = None  # mean real tokens per sequence padded to seq_len; None: no padding
     loss: LossKernel = LossKernel.EAGER  # eager (HF's cross-entropy) or fused (Liger's fused linear CE)
     # false: accumulate gradients without synchronising (FSDP2 set_requires_gradient_sync(False),
     # DDP no_sync) on every micro-batch but the last: one reduction per optimizer step
     sync_every_microbatch: bool = True
+    # an encoder-decoder's (T5's) decoder length, the labels' tokens; None: seq_len
+    decoder_seq_len: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
