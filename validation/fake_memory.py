@@ -156,10 +156,13 @@ def one_sequence_per_row(model: nn.Module) -> Iterator[None]:
 
 
 def attention_kernel(kernels: dict[str, list[str]]) -> str:
-    """The simulator's ``backend.attention_kernel`` for the recorded ops: "flash" or "math"."""
+    """The simulator's ``backend.attention_kernel`` for the recorded ops: "flash" (a fused
+    kernel), "math" (SDPA's math path, which softmaxes with ``_safe_softmax``) or "eager" (the
+    model's own attention: ``_softmax``, Gemma 2's soft-capping)."""
     names = kernels.get("attention", [])
-    fused = any("flash" in n or "efficient" in n or "cudnn" in n for n in names)
-    return "flash" if fused else "math"
+    if any("flash" in n or "efficient" in n or "cudnn" in n for n in names):
+        return "flash"
+    return "math" if any("_safe_softmax" in n for n in names) else "eager"
 
 
 def _tracker_class() -> type:

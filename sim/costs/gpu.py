@@ -95,7 +95,7 @@ class GpuKernelModel:
         fwd_flops = 4.0 * shape.batch * shape.seq_len * shape.kv_len * shape.heads * shape.head_dim
         if shape.causal:
             fwd_flops /= 2
-        rate = self.attention_rate(shape, kernel) if kernel != "math" else None
+        rate = self.attention_rate(shape, kernel) if kernel not in ("math", "eager") else None
         if rate is not None:
             return fwd_flops / rate, FA_BACKWARD_OVER_FORWARD * fwd_flops / rate
         # the math path: QKᵀ and AV as batched matmuls, softmax over the fp32 scores

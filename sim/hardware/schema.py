@@ -15,7 +15,9 @@ SCHEMA_VERSION = 3
 READABLE_VERSIONS = (2, 3)  # version 3 only adds optional fields (the GPU model's inputs, ``node``)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 BACKENDS = ("nccl", "gloo")
-ATTENTION_KERNELS = ("flash", "cudnn", "efficient", "math")
+# "math": SDPA's math path; "eager": a model's own eager attention (matmul, fp32 softmax, cast)
+ATTENTION_KERNELS = ("flash", "cudnn", "efficient", "math", "eager")
+UNFUSED_ATTENTION_KERNELS = ("math", "eager")  # both hold the s² scores
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +142,7 @@ class BackendSpec:
     name: str
     overlaps_comm_compute: bool  # False for gloo: collectives block the issuing thread
     collective_temp_buffers: bool  # gloo copies the whole input/output into a temporary
-    attention_kernel: str  # "flash" (no seq^2 buffers) or "math" (seq^2 scores)
+    attention_kernel: str  # "flash" (no seq^2 buffers), "math" or "eager" (seq^2 scores)
     collective_launch_s: float = 0.0  # per-collective fixed host overhead on top of the link latency
     # FSDP2's host work per unit and pass (hooks, DTensor bookkeeping) on a GPU host, where it runs
     # ahead of the device on the host stream; a calibrated CPU profile measures it in ``compute``

@@ -256,6 +256,21 @@ def _math_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tup
     return saved, low_precision_copy, scores * MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE + bias_grad
 
 
+def _eager_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tuple[int, int, int]:
+    """(saved, forward transient, backward transient bytes) of a model's eager attention (HF's
+    ``eager_attention_forward``: q·kᵀ in the activation dtype, softmax in fp32 cast back, then the
+    matmul with v): q, k, v and the output in the activation dtype, the fp32 softmax and its cast;
+    the fp32 scores while they are computed, twice that in backward."""
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    a = w.act_bytes
+    q_dim = shape.heads * shape.head_dim
+    kv_dim = shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
+    out_dim = shape.heads * (shape.v_head_dim or shape.head_dim)
+    scores = t * shape.heads * shape.kv_len
+    saved = t * a * (q_dim + (out_dim if output_saved else 0)) + t_kv * a * kv_dim
+    return saved + scores * (FP32_BYTES + a), scores * FP32_BYTES, 2 * scores * FP32_BYTES
+
+
 def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
     """A fused kernel given an additive bias (T5's relative position bias; flash takes none, so
     SDPA runs memory-efficient attention): it keeps the bias, one per call broadcast over the
@@ -286,7 +301,7 @@ def attention_kernel_figures(
     q_dim = shape.heads * shape.head_dim
     out_dim = shape.heads * (shape.v_head_dim or shape.head_dim)
     kv_dim = shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
-    flash = w.attention_kernel != "math"
+    flash = w.attention_kernel not in ("math", "eager")
     if flash:
         saved = t * (a * (q_dim + (out_dim if output_saved else 0)) + FP32_BYTES * shape.heads)
         saved += t_kv * a * kv_dim
@@ -294,6 +309,8 @@ def attention_kernel_figures(
         if shape.bias:
             bias_saved, bias_grad = _fused_bias_bytes(shape, a)
             saved, bwd_transient = saved + bias_saved, bwd_transient + bias_grad
+    elif w.attention_kernel == "eager":
+        saved, fwd_transient, bwd_transient = _eager_figures(shape, w, output_saved)
     else:
         saved, fwd_transient, bwd_transient = _math_figures(shape, w, output_saved)
     width = shape.heads * shape.flops_head_dim
