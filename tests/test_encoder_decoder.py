@@ -34,7 +34,12 @@ def t5() -> ModelConfig:
     from hfmodel.describe import describe
 
     data = describe(
-        json.loads(CONFIG.read_text()), micro_batch=B, seq_len=S, dtype="bf16", name="tiny-t5", decoder_seq_len=T
+        json.loads(CONFIG.read_text()),
+        micro_batch=B,
+        seq_len=S,
+        dtype="bf16",
+        name="tiny-t5",
+        decoder_seq_len=T,
     )
     return ModelConfig.of(parse_description(json.loads(json.dumps(data)), str(CONFIG)))
 
@@ -67,7 +72,13 @@ def test_attention_calls_have_their_own_queries_and_keys(t5: ModelConfig) -> Non
     enc, dec, cross = calls[(0, "SelfAttention")], calls[(3, "SelfAttention")], calls[(3, "EncDecAttention")]
     assert (enc.seq_len, enc.kv_len, enc.causal, enc.bias_grad) == (S, S, False, True)
     assert (dec.seq_len, dec.kv_len, dec.causal, dec.bias_grad) == (T, T, True, True)
-    assert (cross.seq_len, cross.kv_len, cross.causal, cross.bias, cross.bias_grad) == (T, S, False, True, False)
+    assert (cross.seq_len, cross.kv_len, cross.causal, cross.bias, cross.bias_grad) == (
+        T,
+        S,
+        False,
+        True,
+        False,
+    )
     assert enc.dropout == dec.dropout == cross.dropout == pytest.approx(0.1)
     assert len(calls) == 3 + 2 * 2
 
@@ -77,7 +88,15 @@ def test_cross_attention_kernel_bytes() -> None:
     the fp32 log-sum-exp per query and head, and the bias (its keys padded to 16); the math path
     fp32 q, k, v, the fp32 softmax and, with dropout, its mask and the dropped probabilities."""
     cross = AttentionShape(
-        batch=B, seq_len=T, heads=H, kv_heads=H, head_dim=16, causal=False, kv_seq_len=S, dropout=0.1, bias=True
+        batch=B,
+        seq_len=T,
+        heads=H,
+        kv_heads=H,
+        head_dim=16,
+        causal=False,
+        kv_seq_len=S,
+        dropout=0.1,
+        bias=True,
     )
     tq, tk, scores = B * T, B * S, B * H * T * S
     flops, saved, fwd, bwd = attention_kernel_figures(cross, _workload())
@@ -89,7 +108,9 @@ def test_cross_attention_kernel_bytes() -> None:
     assert (fwd, bwd) == (scores * A, scores * FP32_BYTES)
     learned = AttentionShape(batch=B, seq_len=S, heads=H, kv_heads=H, head_dim=16, bias=True, bias_grad=True)
     _, _, _, bwd = attention_kernel_figures(learned, _workload("math"), output_saved=False)
-    assert bwd == B * H * S * S * FP32_BYTES + H * S * S * FP32_BYTES  # the bias's gradient, summed over the batch
+    assert (
+        bwd == B * H * S * S * FP32_BYTES + H * S * S * FP32_BYTES
+    )  # the bias's gradient, summed over the batch
 
 
 def test_the_encoder_output_is_kept_once_for_every_decoder_block(t5: ModelConfig) -> None:
@@ -112,7 +133,9 @@ def test_the_shared_embedding_is_one_root_parameter_with_its_gradient_at_the_hea
     segments = build_segments(layer_ops(t5, _workload()), units)
     assert "shared.weight" in [p.name for p in segments[0].params]
     grads = gradient_params(segments)
-    assert "shared.weight" in [p.name for p in grads[-1]] and "shared.weight" not in [p.name for p in grads[0]]
+    assert "shared.weight" in [p.name for p in grads[-1]] and "shared.weight" not in [
+        p.name for p in grads[0]
+    ]
     assert sum(len(g) for g in grads) == len({p.name for s in segments for p in s.params})
 
 

@@ -241,10 +241,13 @@ class ScheduleBuilder:
         cfg, seg, fig = self.cfg, self.cfg.segments[i], self.cfg.figures[i]
         allocs: list[Alloc] = []
         frees: list[str] = []
-        if self.checkpointed(i) and seg.block not in acts.block_inputs:
+        block = seg.block
+        if self.checkpointed(i) and block is not None and block not in acts.block_inputs:
             kept = self.label("block_input", seg.unit, mb)
-            acts.block_inputs[seg.block] = kept  # type: ignore[index]
-            allocs.append(Alloc(label=kept, category=MemoryCategory.ACTIVATIONS, bytes=cfg.block_input_bytes[seg.block]))
+            acts.block_inputs[block] = kept
+            allocs.append(
+                Alloc(label=kept, category=MemoryCategory.ACTIVATIONS, bytes=cfg.block_input_bytes[block])
+            )
         saved = self.label("activations", seg.unit, mb)
         allocs.append(Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_bytes))
         if self.checkpointed(i):

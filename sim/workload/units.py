@@ -154,7 +154,7 @@ def gradient_params(segments: Sequence[Segment]) -> list[tuple[ParamSpec, ...]]:
     """For each segment, the parameters whose gradient its backward produces first: its own, but
     a tied parameter a later segment uses again (``LayerOp.reuses``) at the last such segment,
     where backward reaches it first (autograd accumulates the others into that gradient)."""
-    last_user = {}
+    last_user: dict[str, int] = {}
     specs = {p.name: p for s in segments for p in s.params}
     for i, s in enumerate(segments):
         for p in s.params:
