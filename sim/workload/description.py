@@ -1,6 +1,6 @@
 """A model described by its measured ops: what ``hfmodel`` extracts from a Hugging Face config.
 
-The description (JSON, ``version`` 2) is written on the torch side (``hfmodel.describe``) and read
+The description (JSON, ``version`` 3) is written on the torch side (``hfmodel.describe``) and read
 here without torch. It holds:
 - ``params``: every parameter as ``transformers`` builds it on the meta device (name, shape,
   registration order, a tied weight once), and ``buffer_bytes`` (module buffers, unsharded);
@@ -29,7 +29,9 @@ from sim.errors import UserError
 from sim.workload.finetune import FinetuneFacts, finetuned_params
 from sim.workload.params import ParamSpec
 
-DESCRIPTION_VERSION = 2
+# 3: encoder-decoders (``measured.decoder_seq_len``; attention calls' ``kv_seq_len``, ``dropout``,
+# ``bias``, ``bias_grad``) and tied parameters' later users (``reuses``)
+DESCRIPTION_VERSION = 3
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
