@@ -7,11 +7,13 @@ Source: NVIDIA nccl-tests, ``doc/PERFORMANCE.md`` ("Performance reported by NCCL
 - ``algbw = S / t``.
 - ``busbw = algbw * factor`` with factor ``(n-1)/n`` for all-gather and reduce-scatter and
   ``2(n-1)/n`` for all-reduce.
+- all-to-all (nccl-tests ``src/alltoall.cu``, ``AlltoAllGetBw``): ``size`` is each rank's send
+  buffer, factor ``(n-1)/n`` (the share of it that leaves the rank).
 
 The same factor turns the α–β model into seconds: ``t = latency_s + S * factor / busbw``.
 """
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 def bus_factor(collective: str, group_size: int) -> float:
@@ -19,7 +21,7 @@ def bus_factor(collective: str, group_size: int) -> float:
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     n = group_size
-    if collective in ("all_gather", "reduce_scatter"):
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     if collective == "all_reduce":
         return 2 * (n - 1) / n

@@ -64,9 +64,9 @@ def _add_comm(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--collectives",
-        type=_csv(("all_gather", "reduce_scatter", "all_reduce")),
+        type=_csv(("all_gather", "reduce_scatter", "all_reduce", "all_to_all")),
         default=("all_gather", "reduce_scatter", "all_reduce"),
-        help="default: all three",
+        help="default: the three FSDP uses; all_to_all (expert parallelism's token exchange) on request",
     )
     p.add_argument(
         "--backend",

@@ -38,10 +38,16 @@ _BINARIES = {
     "all_gather_perf": "all_gather",
     "reduce_scatter_perf": "reduce_scatter",
     "all_reduce_perf": "all_reduce",
+    "alltoall_perf": "all_to_all",
 }
 _RANK_LINE = re.compile(r"^#\s*Rank\s+(\d+)\s+Group\s+(\d+)\s+Pid\s+(\d+)\s+on\s+(\S+)\s+device\s+(\d+)")
 _STARTING = re.compile(r"#\s*Collective test starting:\s*(\S+)")
-_PREFERRED = {"all_gather": "out_of_place", "reduce_scatter": "out_of_place", "all_reduce": "in_place"}
+_PREFERRED = {
+    "all_gather": "out_of_place",
+    "reduce_scatter": "out_of_place",
+    "all_reduce": "in_place",
+    "all_to_all": "out_of_place",  # torch's all_to_all_single takes separate buffers
+}
 
 
 @dataclass(frozen=True, kw_only=True)

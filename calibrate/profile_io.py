@@ -48,8 +48,8 @@ def read_profile_dict(path: str | Path) -> dict[str, Any]:
 
 
 def _preferred(curves: Sequence[Curve], spans_nodes: bool, dtype: str | None) -> Curve | None:
-    """The all-gather curve of the largest group (then reduce-scatter, then all-reduce)."""
-    for collective in ("all_gather", "reduce_scatter", "all_reduce"):
+    """The all-gather curve of the largest group (then reduce-scatter, all-reduce, all-to-all)."""
+    for collective in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
         cands = [c for c in curves if c.key.collective == collective and c.key.spans_nodes == spans_nodes]
         if dtype is not None and any(c.key.dtype == dtype for c in cands):
             cands = [c for c in cands if c.key.dtype == dtype]

@@ -75,6 +75,15 @@ def build_op(
             lambda: buf.copy_(pristine),
             lambda: int((buf != expected).sum()),
         )
+    if collective == "all_to_all":  # rank r sends chunk d (offset d · chunk) to rank d
+        inp = torch.cat([_pattern(grank, chunk, d * chunk, td, device) for d in range(gsize)])
+        out = torch.empty(chunk * gsize, dtype=td, device=device)
+        expected = torch.cat([_pattern(r, chunk, grank * chunk, td, device) for r in range(gsize)])
+        return _Op(
+            lambda: dist.all_to_all_single(out, inp, group=group),
+            lambda: None,
+            lambda: int((out != expected).sum()),
+        )
     raise ValueError(f"unknown collective {collective!r}")
 
 

@@ -6,6 +6,7 @@ The step's report, timeline and trace are made from the result by ``sim.outputs`
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
+from typing import Any
 
 from sim.core.engine import GroupCost, Variability, run_program
 from sim.core.events import EventTable, OpKind
@@ -27,6 +28,7 @@ from sim.schedule.step import StepConfig
 from sim.schedule.zero import build_zero12_program
 from sim.schedule.zero3 import build_zero3_program
 from sim.workload.checkpointing import block_input_bytes, checkpoint_plan
+from sim.workload.expert_parallel import expert_parallel_view, split_at_experts
 from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
 from sim.workload.layers import LayerOp, Workload, model_buffer_bytes
@@ -53,6 +55,8 @@ def job_topology(scenario: Scenario) -> Topology:
         world_size=scenario.parallel.world_size,
         gpus_per_node=scenario.gpus_per_node,
         shard_size=scenario.shard_group_size,
+        post_forward_size=scenario.post_forward_shard_size or 0,
+        expert_size=scenario.parallel.expert_parallel,
     )
 
 
@@ -112,7 +116,10 @@ def build_step(
     ops = layer_ops(model, workload)
     # DeepSpeed ZeRO hooks every module that owns parameters: one unit per linear and embedding
     units = build_units(model, WrapPolicy.LINEAR if scenario.deepspeed.enabled else parallel.wrap)
-    segments = tuple(build_segments(ops, units))
+    e, expert_modules, expert_names = parallel.expert_parallel, frozenset[str](), frozenset[str]()
+    if e > 1:  # this rank's experts and the work they do (sim.workload.expert_parallel)
+        ops, units, expert_modules, expert_names = expert_parallel_view(ops, units, e)
+    segments = split_at_experts(build_segments(ops, units), expert_modules)
     costs = build_compute_costs(
         profile,
         ops,
@@ -185,8 +192,26 @@ def build_step(
         fsdp2_offload=scenario.fsdp2_offload,
         quant_state_bytes=_quant_state_bytes(model),
         sync_every_microbatch=training.sync_every_microbatch,
+        post_forward_size=scenario.post_forward_shard_size,
+        **_expert_fields(scenario, expert_modules, expert_names, workload),
     )
     return step, topology, ops
+
+
+def _expert_fields(
+    scenario: Scenario, modules: frozenset[str], names: frozenset[str], workload: Workload
+) -> dict[str, Any]:
+    """StepConfig's expert-parallel fields; one all-to-all sends every (token, chosen expert) row."""
+    moe = scenario.model.description.moe if scenario.model.description is not None else None
+    if scenario.parallel.expert_parallel == 1 or moe is None:
+        return {}
+    return {
+        "expert_parallel": scenario.parallel.expert_parallel,
+        "expert_params": names,
+        "experts_per_layer": moe.experts,
+        "expert_modules": modules,
+        "dispatch_bytes": workload.tokens * moe.top_k * scenario.model.hidden * workload.act_bytes,
+    }
 
 
 def _quant_state_bytes(model: ModelConfig) -> int:

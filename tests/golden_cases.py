@@ -24,6 +24,7 @@ VARIANTS: list[tuple[str, str, list[str]]] = [
     ("tiny-ddp-ckpt", "tiny.toml", ["parallel.strategy=NO_SHARD", "checkpointing.mode=full"]),
     ("tiny-ddp-bf16", "tiny.toml", ["parallel.strategy=NO_SHARD", "precision.param_dtype=bf16"]),
     ("tiny-zero2", "tiny.toml", ["parallel.strategy=SHARD_GRAD_OP"]),
+    ("tiny-raf2", "tiny.toml", ["parallel.world_size=8", "parallel.reshard_after_forward=2"]),
     (
         "tiny-hsdp",
         "tiny.toml",

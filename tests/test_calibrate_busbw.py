@@ -63,10 +63,15 @@ def test_point_json_carries_both_bandwidths_and_the_spread() -> None:
     assert (p["time_s"], p["min_s"], p["max_s"], p["wrong"], p["iters"]) == (2e-5, 1e-5, 4e-5, 0, 7)
 
 
-@pytest.mark.parametrize("bad", [("all_to_all", 4), ("all_gather", 0)])
+@pytest.mark.parametrize("bad", [("broadcast", 4), ("all_gather", 0)])
 def test_unknown_collective_or_empty_group_is_refused(bad: tuple[str, int]) -> None:
     with pytest.raises(ValueError):
         bus_factor(*bad)
+
+
+def test_all_to_all_sends_the_share_of_its_buffer_that_leaves_the_rank() -> None:
+    """nccl-tests alltoall.cu ``AlltoAllGetBw``: busbw = algbw · (n−1)/n."""
+    assert bus_factor("all_to_all", 8) == pytest.approx(7 / 8)
 
 
 def test_a_point_keeps_the_mean_because_a_step_pays_every_tail() -> None:

@@ -126,4 +126,5 @@ def test_broken_json_is_refused(tmp_path: Path) -> None:
 def test_binary_names() -> None:
     assert collective_from_name("/opt/nccl-tests/build/all_gather_perf_mpi") == "all_gather"
     assert collective_from_name("reduce_scatter_perf") == "reduce_scatter"
-    assert collective_from_name("alltoall_perf") is None
+    assert collective_from_name("alltoall_perf") == "all_to_all"  # expert parallelism's exchange
+    assert collective_from_name("sendrecv_perf") is None

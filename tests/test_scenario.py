@@ -192,7 +192,17 @@ def test_section_that_is_not_a_table(tmp_path: Path) -> None:
         ('world_size = "8"', "parallel.world_size must be an integer, got '8'"),
         ("world_size = 8.0", "parallel.world_size must be an integer, got 8.0"),
         ("world_size = true", "parallel.world_size must be an integer, got True"),
-        ("reshard_after_forward = 1", "parallel.reshard_after_forward must be true or false, got 1"),
+        ('reshard_after_forward = "2"', "parallel.reshard_after_forward must be an integer, got '2'"),
+        (
+            "reshard_after_forward = 3",
+            "parallel.reshard_after_forward = 3 must be true, false or an integer that divides the "
+            "shard group size (8)",
+        ),
+        (
+            "reshard_after_forward = 0",
+            "parallel.reshard_after_forward = 0 must be true, false or an integer that divides the "
+            "shard group size (8)",
+        ),
         ("ddp_bucket_mb = false", "parallel.ddp_bucket_mb must be a number, got False"),
     ],
 )

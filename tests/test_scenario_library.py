@@ -20,6 +20,7 @@ LIBRARY = (
     "slow-rank-7b.toml",
     "seed-t5-fsdp1.toml",
     "sweep-systems-7b.toml",
+    "moe-expert-parallel-mixtral.toml",
 )
 GB = 1e9
 
@@ -244,3 +245,16 @@ def test_one_sweep_answers_offload_or_add_a_node() -> None:
     assert not base["fits"] and offload["fits"] and zero3["fits"] and node["fits"]
     assert offload["model_state_bytes"] == 0 and offload["host_memory_bytes"] == zero3["host_memory_bytes"]
     assert node["step_time_s"] < zero3["step_time_s"] < offload["step_time_s"]
+
+
+def test_expert_parallelism_fits_mixtral_on_two_nodes_where_plain_fsdp2_does_not() -> None:
+    """scenarios/moe-expert-parallel-mixtral.toml: plain FSDP2 pads the 8 experts' dim 0 to the 16
+    ranks and all-gathers every expert across both nodes; with EP 8 each GPU gathers its one
+    expert from the GPU holding it on the other node and exchanges tokens over NVLink."""
+    name = "moe-expert-parallel-mixtral.toml"
+    ep, plain = run(name), run(name, "parallel.expert_parallel=1")
+    assert ep["fits"] and not plain["fits"]
+    assert ep["step_time_s"] < 0.5 * plain["step_time_s"]
+    assert ep["collectives"]["all_to_all"]["count"] == 4 * 32  # 2 forward + 2 backward per layer
+    assert "all_to_all" not in plain["collectives"]
+    assert ep["collectives"]["all_gather"]["bytes"] < 0.1 * plain["collectives"]["all_gather"]["bytes"]

@@ -13,6 +13,7 @@ from torch import nn
 
 from calibrate.hf_llama import llama_config
 from calibrate.sweep import TORCH_DTYPES
+from sim.errors import UserError
 from sim.scenario.sections import Scenario
 from sim.workload.checkpointing import CheckpointPlan, checkpoint_plan
 from sim.workload.model import ModelConfig
@@ -101,6 +102,11 @@ def apply_checkpointing(model: nn.Module, plan: CheckpointPlan, scenario: Scenar
 
 
 def wrap(model: nn.Module, scenario: Scenario, mesh: Any) -> Wrapped:
+    if scenario.parallel.expert_parallel > 1:  # README, "Expert parallelism": why it cannot run here
+        raise UserError(
+            f"{scenario.source}: parallel.expert_parallel = {scenario.parallel.expert_parallel} is a what-if "
+            "the validation cannot run (its dispatch needs the token counts other ranks send)"
+        )
     c = scenario.checkpointing
     plan = checkpoint_plan(c.mode, c.selective, scenario.model.n_layers)
     if scenario.parallel.fsdp_version == 1:
@@ -123,14 +129,10 @@ def wrap(model: nn.Module, scenario: Scenario, mesh: Any) -> Wrapped:
     modules = {name.replace("._checkpoint_wrapped_module", ""): m for name, m in model.named_modules()}
     units = [modules[prefix] for prefix in unit_prefixes(scenario.model, scenario.parallel.wrap)]
     offload = _offload_policy(scenario)
+    raf = scenario.parallel.reshard_after_forward  # an integer k goes to FSDP2 as it is
+    reshard = raf if isinstance(raf, int) and not isinstance(raf, bool) else scenario.reshard_after_forward
     for module in units:
-        fully_shard(
-            module,
-            mesh=mesh,
-            mp_policy=mp,
-            reshard_after_forward=scenario.reshard_after_forward,
-            offload_policy=offload,
-        )
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
     # the root: reshard_after_forward=None, as FSDP2's default
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     _set_prefetch(units, scenario)

@@ -287,7 +287,8 @@ def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, A
         mesh = _mesh(scenario)  # outside the fake mode: DeviceMesh needs real rank tensors
         real = _uses_real_tensors(scenario)
         with contextlib.nullcontext() if real else FakeTensorMode(), _kernels(real):
-            trainer = FakeTrainer(scenario, mesh)
+            with _post_forward_meshes_outside_fake_mode():
+                trainer = FakeTrainer(scenario, mesh)
             with one_sequence_per_row(trainer.model):
                 with KernelRecorder() as recorder:
                     trainer.step(0)  # untracked: creates the optimizer state
@@ -304,6 +305,29 @@ def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, A
         "kernels": {**recorder.kernels, "attention_kernel": attention_kernel(recorder.kernels)},
         "peak_at": where,
     }
+
+
+@contextlib.contextmanager
+def _post_forward_meshes_outside_fake_mode() -> Iterator[None]:
+    """An integer ``reshard_after_forward`` makes ``fully_shard`` build a post-forward
+    ``DeviceMesh`` (``_fsdp_init._get_post_forward_mesh_info``), whose rank tensors must be real,
+    as ``_mesh`` builds the step's mesh outside the fake mode; the mesh itself is FSDP2's own."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+
+    original = _fsdp_init._get_post_forward_mesh_info
+
+    def outside(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    _fsdp_init._get_post_forward_mesh_info = outside
+    _fully_shard._get_post_forward_mesh_info = outside
+    try:
+        yield
+    finally:
+        _fsdp_init._get_post_forward_mesh_info = original
+        _fully_shard._get_post_forward_mesh_info = original
 
 
 def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -100,6 +100,10 @@ MEMORY_MATRIX: list[tuple[str, list[str]]] = [
         "Llama-2-7B, 8 ranks, bf16, reshard_after_forward=False",
         [*_BF16, "parallel.reshard_after_forward=false"],
     ),
+    (  # FSDP2's integer reshard_after_forward: 1/k slices kept, backward gathers within k ranks
+        "Llama-2-7B, 8 ranks, bf16, reshard_after_forward=2",
+        [*_BF16, "parallel.reshard_after_forward=2"],
+    ),
     ("Llama-3-70B, 64 ranks, bf16", [*_70B, *_BF16]),
     ("Llama-3-70B, 64 ranks, fp32", [*_70B, *_FP32]),
     ("Llama-3-70B, 64 ranks, bf16, checkpointing", [*_70B, *_BF16, "checkpointing.mode=full"]),

@@ -18,6 +18,7 @@ class Stream(StrEnum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"  # expert parallelism's token dispatch and combine
     HOST = "host"  # the CPU thread that issues the kernels (runs ahead of the device)
     H2D = "h2d"  # host-to-device copies over PCIe (offload: parameters and states coming in)
     D2H = "d2h"  # device-to-host copies over PCIe (offload: gradients going out)
@@ -33,6 +34,7 @@ class OpKind(StrEnum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"  # expert parallelism: tokens to the ranks holding their experts and back
     HOST = "host"  # host work that issues kernels: eager dispatch, FSDP2's hooks
     OFFLOAD = "offload"  # a transfer between device, host and NVMe memory (CPU/NVMe offload)
 
@@ -41,7 +43,9 @@ class OpKind(StrEnum):
         return self in _COLLECTIVE_KINDS
 
 
-_COLLECTIVE_KINDS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE})
+_COLLECTIVE_KINDS = frozenset(
+    {OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE, OpKind.ALL_TO_ALL}
+)
 
 
 class MemoryCategory(StrEnum):

@@ -4,7 +4,8 @@ Three models, the first that applies:
 
 1. a curve measured for this collective and group shape (a calibrated profile): interpolated;
 2. on NCCL, with the fabric the group sees on the cluster (``sim.hardware.cluster``): NCCL's own
-   tuner model (``sim.costs.nccl``): channels, algorithm and protocol as NCCL picks them, with
+   tuner model (``sim.costs.nccl``; the all-to-all, which NCCL runs as point-to-point sends, from
+   the links: ``sim.costs.all_to_all``): channels, algorithm and protocol as NCCL picks them, with
    what a calibration fitted (``profile.nccl_fit``);
 3. otherwise (gloo, no cluster) the α–β ring of the profile's links.
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.core.topology import GroupShape
+from sim.costs.all_to_all import all_to_all_time_s
 from sim.costs.nccl import nccl_choice
 from sim.hardware.fabric import GroupFabric
 from sim.hardware.schema import CollectiveCurve, HardwareProfile, LinkModel
@@ -44,7 +46,7 @@ def bus_factor(collective: str, group_size: int) -> float:
     n = group_size
     if collective == "all_reduce":
         return 2.0 * (n - 1) / n
-    if collective in ("all_gather", "reduce_scatter"):
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):  # all-to-all: alltoall.cu
         return (n - 1) / n
     raise ValueError(f"unknown collective {collective!r}")
 
@@ -92,6 +94,11 @@ def collective_cost(
         wire_s = wire_bytes_per_rank(collective, size_bytes, group.size) / curve.fit.bus_bw_Bps
         return CollectiveCost(time_s=time_s, algorithm=MEASURED, wire_fraction=min(1.0, wire_s / time_s))
     launch = 0.0 if profile.calibrated else profile.backend.collective_launch_s
+    if fabric is not None and profile.backend.name == "nccl" and collective == "all_to_all":
+        time_s, latency_s = all_to_all_time_s(size_bytes, fabric)  # point-to-point: no tuner entry
+        return CollectiveCost(
+            time_s=launch + time_s, algorithm="p2p", wire_fraction=(time_s - latency_s) / (launch + time_s)
+        )
     if fabric is not None and profile.backend.name == "nccl":
         choice = nccl_choice(collective, size_bytes, fabric, profile.nccl_fit)
         wire_s = choice.time_s - choice.latency_s

@@ -13,7 +13,7 @@ from sim.hardware.compute_section import ComputeSection
 
 SCHEMA_VERSION = 3
 READABLE_VERSIONS = (2, 3)  # version 3 only adds optional fields (the GPU model's inputs, ``node``)
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 BACKENDS = ("nccl", "gloo")
 # "math": SDPA's math path; "eager": a model's own eager attention (matmul, fp32 softmax, cast)
 ATTENTION_KERNELS = ("flash", "cudnn", "efficient", "math", "eager")

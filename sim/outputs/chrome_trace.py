@@ -47,6 +47,7 @@ STREAM_IDS: dict[Stream, int] = {
     Stream.ALL_GATHER: 20,
     Stream.REDUCE_SCATTER: 24,
     Stream.ALL_REDUCE: 28,
+    Stream.ALL_TO_ALL: 44,  # expert parallelism's token exchange
     Stream.HOST: 1,  # the issuing CPU thread
     Stream.H2D: 32,  # offload's copy streams (DeepSpeed's and FSDP1's side streams)
     Stream.D2H: 36,
@@ -58,6 +59,7 @@ COLLECTIVE_NAMES: dict[OpKind, str] = {
     OpKind.ALL_GATHER: "_allgather_base",
     OpKind.REDUCE_SCATTER: "_reduce_scatter_base",
     OpKind.ALL_REDUCE: "allreduce",
+    OpKind.ALL_TO_ALL: "all_to_allv",  # all_to_all_single with split sizes (torchtitan's dispatch)
 }
 
 # NCCL's short dtype spelling in kernel names, from the simulator's canonical dtype names.
@@ -66,11 +68,13 @@ NCCL_KERNELS: dict[OpKind, str] = {
     OpKind.ALL_GATHER: "AllGather",
     OpKind.REDUCE_SCATTER: "ReduceScatter",
     OpKind.ALL_REDUCE: "AllReduce",
+    OpKind.ALL_TO_ALL: "SendRecv",  # NCCL runs an all-to-all as grouped point-to-point sends
 }
 GLOO_NAMES: dict[OpKind, str] = {
     OpKind.ALL_GATHER: "gloo:all_gather",
     OpKind.REDUCE_SCATTER: "gloo:all_reduce",  # ProcessGroupGloo reduce-scatters with an all-reduce
     OpKind.ALL_REDUCE: "gloo:all_reduce",
+    OpKind.ALL_TO_ALL: "gloo:all_to_all",
 }
 
 MEMORY_COUNTER = "Memory (bytes)"
@@ -91,6 +95,8 @@ def kernel_name(op: OpRecord, names: TraceNames) -> str:
     if names.backend == "gloo":
         return GLOO_NAMES[op.kind]
     coll = NCCL_KERNELS[op.kind]
+    if op.kind is OpKind.ALL_TO_ALL:  # one kernel for every point-to-point send and receive
+        return f"ncclDevKernel_{coll}"
     if op.kind is OpKind.ALL_GATHER:
         return f"ncclDevKernel_{coll}_RING_LL"
     algo = "TREE" if op.algorithm == "tree" else "RING"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sim.core.events import EventTable, MemoryCategory, OpKind
+from sim.core.topology import GroupKind
 from sim.costs.nccl import runtime_channels
 from sim.outputs.allocator import ReservedCurve, nccl_buffer_bytes, reserved_curve
 from sim.outputs.intervals import Breakdown, rank_breakdown, step_time
@@ -21,7 +22,7 @@ from sim.simulate import SimResult, job_topology, scenario_network
 from sim.workload.flops import model_flops_per_token, recompute_flops_per_token
 from sim.workload.model import n_params
 
-COLLECTIVE_KINDS = (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)
+COLLECTIVE_KINDS = (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE, OpKind.ALL_TO_ALL)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,15 +208,23 @@ def flops_utilisation(result: SimResult, step_s: float) -> tuple[float, float]:
 
 def communicator_channels(result: SimResult, rank: int) -> int:
     """The channels of every communicator ``rank`` belongs to (one per process group of the step),
-    as NCCL runs them on that group's fabric (``sim.costs.nccl.runtime_channels``)."""
+    as NCCL runs them on that group's fabric (``sim.costs.nccl.runtime_channels``). An integer
+    ``reshard_after_forward`` gives every unit its own post-forward mesh, so its own communicator
+    (``fully_shard`` builds a ``DeviceMesh`` per call)."""
     s = result.scenario
     topology = job_topology(s)
     network = scenario_network(s, result.profile)
     kinds = {op.group for op in result.program.ops if op.group is not None}
-    members = [topology.members(kind, rank) for kind in kinds]
+    post_forward_units = {op.unit for op in result.program.ops if op.group is GroupKind.POST_FORWARD}
+    communicators = {kind: len(post_forward_units) if kind is GroupKind.POST_FORWARD else 1 for kind in kinds}
     if network is None:
         return 0
-    return sum(runtime_channels(network.fabric(m)) for m in members if len(m) > 1)
+    channels = 0
+    for kind, count in communicators.items():
+        members = topology.members(kind, rank)
+        if len(members) > 1:
+            channels += count * runtime_channels(network.fabric(members))
+    return channels
 
 
 def reserved_of(result: SimResult, rank: int) -> ReservedCurve | None:

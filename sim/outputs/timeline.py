@@ -43,6 +43,7 @@ KIND_COLOURS: dict[OpKind, str] = {
     OpKind.ALL_GATHER: "#72B7B2",
     OpKind.REDUCE_SCATTER: "#EECA3B",
     OpKind.ALL_REDUCE: "#FF9DA6",
+    OpKind.ALL_TO_ALL: "#17BECF",
     OpKind.HOST: "#79706E",
     OpKind.OFFLOAD: "#E45756",
 }

@@ -19,6 +19,7 @@ from sim.dtypes import FLOAT_DTYPES, canonical_dtype
 from sim.errors import UserError
 from sim.hardware.cluster import ClusterSpec, load_cluster
 from sim.hardware.registry import load_profile
+from sim.scenario.expert_check import check_expert_parallel
 from sim.scenario.hf_model import describe_config, library, library_entry, llama_config_file
 from sim.scenario.sections import ENGINES, SECTIONS, ClusterSection, FinetuneSection, ModelSection, Scenario
 from sim.workload.model import PRESETS, ModelConfig, preset
@@ -191,6 +192,8 @@ def _check(s: Scenario, where: str) -> None:
         )
     _check_fsdp_version(s, where)
     _check_fsdp2_offload(s, where)
+    _check_reshard(s, where)
+    check_expert_parallel(s, where)
     _check_deepspeed(s, where)
     _check_finetune_system(s, where)
     sim = s.simulation
@@ -266,6 +269,25 @@ def _check_fsdp2_offload(s: Scenario, where: str) -> None:
         )
     if s.precision.grad_scaler:
         raise UserError(f"{where}: parallel.cpu_offload with precision.grad_scaler is not modelled")
+
+
+def _check_reshard(s: Scenario, where: str) -> None:
+    """An integer ``reshard_after_forward`` is FSDP2's, and must divide the shard group
+    (``_fsdp_init._get_post_forward_mesh_info``)."""
+    k, p = s.parallel.reshard_after_forward, s.parallel
+    if k is None or isinstance(k, bool):
+        return
+    if p.fsdp_version != 2 or s.deepspeed.enabled or p.strategy is Strategy.NO_SHARD:
+        raise UserError(
+            f"{where}: parallel.reshard_after_forward = {k}: an integer is FSDP2's (fully_shard with a "
+            "sharding strategy); FSDP1, DeepSpeed and NO_SHARD take true or false"
+        )
+    g = s.shard_group_size
+    if k < 1 or g % k:
+        raise UserError(
+            f"{where}: parallel.reshard_after_forward = {k} must be true, false or an integer that divides "
+            f"the shard group size ({g})"
+        )
 
 
 def _check_deepspeed(s: Scenario, where: str) -> None:

@@ -58,7 +58,9 @@ class ParallelSection:
     strategy: Strategy = Strategy.FULL_SHARD
     wrap: WrapPolicy = WrapPolicy.BLOCK
     shard_group_size: int | None = None  # HYBRID_SHARD; default: cluster.gpus_per_node
-    reshard_after_forward: bool | None = None  # None: True for FULL/HYBRID_SHARD, False for SHARD_GRAD_OP
+    # None: True for FULL/HYBRID_SHARD, False for SHARD_GRAD_OP; an integer k (FSDP2, k divides the
+    # shard group): keep a 1/k slice of the unsharded parameters after forward, gather within k ranks
+    reshard_after_forward: bool | int | None = None
     forward_prefetch: int = (
         0  # units all-gathered ahead explicitly in forward (set_modules_to_forward_prefetch)
     )
@@ -70,6 +72,9 @@ class ParallelSection:
     # and optimizer states on the host (FSDP1's is fsdp1.cpu_offload)
     cpu_offload: bool = False
     cpu_offload_pin_memory: bool = True
+    # E > 1: each MoE layer's experts split over groups of E ranks, tokens exchanged by all-to-all,
+    # the experts FSDP-sharded over the other world_size / E ranks (sim.scenario.expert_check)
+    expert_parallel: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,9 +277,24 @@ class Scenario:
 
     @property
     def reshard_after_forward(self) -> bool:
-        if self.parallel.reshard_after_forward is not None:
-            return self.parallel.reshard_after_forward
+        """Whether non-root units free their unsharded parameters after forward (FSDP2 treats an
+        integer 1 as False and any larger one as True: ``_fsdp_init._get_post_forward_mesh_info``)."""
+        value = self.parallel.reshard_after_forward
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int):
+            return value > 1
         return self.parallel.strategy not in (Strategy.SHARD_GRAD_OP, Strategy.HYBRID_SHARD_ZERO2)
+
+    @property
+    def post_forward_shard_size(self) -> int | None:
+        """k of an integer ``reshard_after_forward`` smaller than the shard group: the group of k
+        consecutive ranks a unit reshards to after forward; None otherwise (k = the shard group
+        size is True to FSDP2)."""
+        value = self.parallel.reshard_after_forward
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None
+        return value if 1 < value < self.shard_group_size else None
 
     @property
     def shard_group_size(self) -> int:

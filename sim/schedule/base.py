@@ -58,6 +58,7 @@ class ScheduleBuilder:
         self.grad_labels: list[str] = []  # gradients the optimizer step consumes
         self.host_cursor: int | None = None  # the host's last op: nothing it issues starts before
         self.last_collective: dict[GroupKind, int] = {}  # one communicator per group: issue order
+        self.compute_tail = -1  # the compute stream's last op
         self._counter = 0
 
     def label(self, what: str, unit: str, mb: int) -> str:
@@ -115,7 +116,7 @@ class ScheduleBuilder:
         self.host(f"dispatch {name}", unit, mb, host_s)
         deps = self.issued(deps + tuple(self.compute_waits))
         self.compute_waits = []
-        return self.program.emit(
+        self.compute_tail = self.program.emit(
             stream=Stream.COMPUTE,
             kind=kind,
             name=name,
@@ -128,6 +129,7 @@ class ScheduleBuilder:
             end_allocs=end_allocs,
             start_frees=start_frees,
         )
+        return self.compute_tail
 
     def collective(
         self,
@@ -284,12 +286,13 @@ class ScheduleBuilder:
             if seg.block != block:
                 continue
             self._on_recompute_segment(seg.unit, mb)
+            self._before_recompute(i)
             fig = self.cfg.figures[i]
             recomputed_bytes = max(0, fig.saved_bytes - fig.sac_kept_bytes) if selective else fig.saved_bytes
             saved = self.label("recomputed_activations", seg.unit, mb)
             transient = self.label("recompute_temp", seg.unit, mb)
             acts.saved[i] = saved
-            self.compute(
+            op = self.compute(
                 OpKind.RECOMPUTE,
                 seg.name,
                 seg.unit,
@@ -302,9 +305,16 @@ class ScheduleBuilder:
                 frees=(transient,),
                 host_s=fig.forward_host_s,
             )
+            self._after_recompute(i, op)
 
     def _on_recompute_segment(self, unit: str, mb: int) -> None:
         """Before a segment is recomputed (FSDP2 gathers its unit again)."""
+
+    def _before_recompute(self, i: int) -> None:
+        """Just before segment ``i``'s recompute is issued (expert parallelism's dispatch)."""
+
+    def _after_recompute(self, i: int, op: int) -> None:
+        """Just after segment ``i``'s recompute ``op`` is issued (expert parallelism's combine)."""
 
     # -- backward and the optimizer -----------------------------------------------------------
 

@@ -5,12 +5,23 @@ It replays what ``torch.distributed.fsdp.fully_shard`` does on the host, in host
 - pre-forward: ``unshard`` issues the all-gather on the all-gather stream; ``wait_for_unshard``
   copies out on the compute stream. In forward the previous unit's all-gather output is freed
   only after this copy-out, and later all-gathers wait for that copy-out (implicit prefetch).
-- post-forward reshards unless ``reshard_after_forward`` is False; the root never reshards.
+- post-forward reshards unless ``reshard_after_forward`` is False; the root never reshards. An
+  integer k (``FSDPParam.to_sharded_post_forward``) clones this rank's 1/k slice of each unsharded
+  parameter (in the dtype it was gathered in) before freeing it; backward's all-gather then runs
+  within the rank's group of k consecutive ranks (``_all_gather_process_group``, the post-forward
+  mesh ``mesh.view(-1, k)``) from that slice, which ``to_unsharded`` frees after the copy-out.
 - pre-backward re-gathers and prefetches the unit that ran before this one in forward.
 - post-backward copies gradients into the reduce-scatter input on the compute stream after the
   previous unit's reduce-scatter has finished (one input buffer in flight), then reduce-scatters
   (and, for HSDP, all-reduces across replicas). Units whose input is the token ids, and the
   root, reduce in the final callback, which also makes the compute stream wait for every reduction.
+Expert parallelism (``sim.workload.expert_parallel``): a block with experts is two FSDPParamGroups
+(``fully_shard(block, shard_placement_fn=...)``, torch 2.13 ``_init_param_group``): its dense
+parameters over the world, then its local experts over the ``world / E`` ranks holding them; each
+hook runs per group (pre-forward and pre-backward in group order, the backward prefetch of the
+previous block highest group first, post-backward last group first, as autograd fires them). An
+all-to-all over the EP group runs before and after the experts' segment in forward, in a
+checkpointed block's recompute, and in backward; the compute stream waits for each.
 Collectives of one process group run one at a time in issue order, as on one NCCL communicator.
 On a one-rank shard group (``world_size == 1``, or HYBRID_SHARD with ``shard_group_size = 1``)
 FSDP2 issues neither all-gather nor reduce-scatter: ``wait_for_unshard`` copies each sharded
@@ -31,8 +42,11 @@ from sim.schedule.base import Activations, ScheduleBuilder, UnitLayout
 from sim.schedule.fsdp2_offload import OffloadBytes, OffloadCopies
 from sim.schedule.model_state import numel_per_rank, stored_bytes
 from sim.schedule.step import StepConfig
+from sim.workload.expert_parallel import is_expert_segment
 from sim.workload.params import ParamSpec
-from sim.workload.units import ROOT, WrapUnit, padded_numel
+from sim.workload.units import ROOT, WrapUnit
+
+EXPERTS = "#experts"  # the name of a unit's expert parameter group (expert parallelism)
 
 
 @dataclass(kw_only=True)
@@ -41,6 +55,7 @@ class Microbatch(Activations):
 
     index: int
     unsharded: dict[str, str] = field(default_factory=dict)  # unit -> its unsharded parameters
+    post_forward: dict[str, str] = field(default_factory=dict)  # unit -> its 1/k slice (integer reshard)
     # unit -> (all-gather op, output label); (None, None) where no all-gather runs (one rank)
     pending: dict[str, tuple[int | None, str | None]] = field(default_factory=dict)
     ag_wait: int | None = None  # the copy-out the all-gather stream waits for
@@ -78,32 +93,54 @@ class UnitBytes:
     offload: OffloadBytes  # CPUOffloadPolicy: the shards' copy to the device
 
     @staticmethod
-    def of(cfg: StepConfig, unit: WrapUnit) -> "UnitBytes":
-        w = cfg.shard_size
-        pad = [(p, padded_numel(p, w)) for p in unit.params]
+    def of(cfg: StepConfig, params: tuple[ParamSpec, ...]) -> "UnitBytes":
+        """The buffers of one parameter group (a unit, or under EP its dense or expert part)."""
+        pad = [(p, *cfg.param_sharding(p)) for p in params]
         return UnitBytes(
-            gather=sum(n * gathered_bytes(cfg, p) for p, n in pad),
-            cast=sum(n // w * cfg.param_bytes for p, n in pad if cast_to_param_dtype(cfg, p)),
-            copy_in=sum(n // w * max(gathered_bytes(cfg, p), stored_bytes(cfg, p)) for p, n in pad),
-            grad_padded=sum(n for p, n in pad if p.trainable),
-            grad_numel=sum(p.numel for p in unit.params if p.trainable),
+            gather=sum(n * gathered_bytes(cfg, p) for p, n, _ in pad),
+            cast=sum(n // w * cfg.param_bytes for p, n, w in pad if cast_to_param_dtype(cfg, p)),
+            copy_in=sum(n // w * max(gathered_bytes(cfg, p), stored_bytes(cfg, p)) for p, n, w in pad),
+            grad_padded=sum(n for p, n, _ in pad if p.trainable),
+            grad_numel=sum(p.numel for p in params if p.trainable),
             offload=OffloadBytes(
-                h2d=sum(n // w * stored_bytes(cfg, p) for p, n in pad),
-                kept=sum(n // w * stored_bytes(cfg, p) for p, n in pad if not cast_to_param_dtype(cfg, p)),
-                cast=sum(n // w * cfg.param_bytes for p, n in pad if cast_to_param_dtype(cfg, p)),
+                h2d=sum(n // w * stored_bytes(cfg, p) for p, n, w in pad),
+                kept=sum(n // w * stored_bytes(cfg, p) for p, n, w in pad if not cast_to_param_dtype(cfg, p)),
+                cast=sum(n // w * cfg.param_bytes for p, n, w in pad if cast_to_param_dtype(cfg, p)),
                 staging=max(
-                    (n // w * stored_bytes(cfg, p) for p, n in pad if cast_to_param_dtype(cfg, p)), default=0
+                    (n // w * stored_bytes(cfg, p) for p, n, w in pad if cast_to_param_dtype(cfg, p)),
+                    default=0,
                 ),
             ),
         )
 
 
+def param_groups(cfg: StepConfig, unit: WrapUnit) -> tuple[tuple[str, tuple[ParamSpec, ...]], ...]:
+    """A unit's FSDPParamGroups, named: one, or under expert parallelism the dense parameters
+    (sharded over the world) then the local experts (over ``world / E`` ranks), as
+    ``fully_shard(block, shard_placement_fn=...)`` groups them by process group, in registration
+    order (``_fsdp_init._init_param_group``, torchtitan ``apply_fsdp``)."""
+    experts = tuple(p for p in unit.params if p.name in cfg.expert_params)
+    if not experts:
+        return ((unit.name, unit.params),)
+    dense = tuple(p for p in unit.params if p.name not in cfg.expert_params)
+    return ((unit.name, dense), (unit.name + EXPERTS, experts))
+
+
 class Fsdp2ScheduleBuilder(ScheduleBuilder):
     def __init__(self, cfg: StepConfig):
         super().__init__(cfg)
-        self.w = cfg.shard_size
         self.layout = UnitLayout.of(cfg)
-        self.sizes = {u.name: UnitBytes.of(cfg, u) for u in cfg.units}  # the parameters' bytes by dtype
+        groups = {u.name: param_groups(cfg, u) for u in cfg.units}
+        self.groups = {unit: tuple(g for g, _ in gs) for unit, gs in groups.items()}  # unit -> its groups
+        self.unit_of = {g: unit for unit, gs in self.groups.items() for g in gs}
+        # each group's parameters' bytes by dtype, its shard group's size and kind
+        self.sizes = {g: UnitBytes.of(cfg, params) for gs in groups.values() for g, params in gs}
+        self.w = {
+            g: cfg.shard_size // (cfg.expert_parallel if g.endswith(EXPERTS) else 1) for g in self.unit_of
+        }
+        self.kind = {
+            g: GroupKind.EXPERT_SHARD if g.endswith(EXPERTS) else GroupKind.SHARD for g in self.unit_of
+        }
         self.reductions: list[int] = []  # every reduction so far: the final callback waits for them
         self.accumulated: dict[str, str] = {}  # unit -> its unsharded gradients kept across micro-batches
         self.reduced: set[str] = set()  # units reduced once already (their sharded gradients exist)
@@ -111,10 +148,11 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         offload = cfg.fsdp2_offload
         # CPUOffloadPolicy where the device is not the host: shards on the host, copies over PCIe
         self.offload = OffloadCopies(self, offload.pin_memory) if offload and cfg.fsdp2_host_state else None
+        self.exchanged: list[str] = []  # all-to-all outputs the next compute op consumes
 
     def build(self) -> Program:
         for index in range(self.cfg.grad_accum):
-            self.mb = Microbatch(index=index, unsharded_grads={u.name: [] for u in self.cfg.units})
+            self.mb = Microbatch(index=index, unsharded_grads={g: [] for g in self.unit_of})
             self._forward()
             self._backward()
         self.optimizer_step()
@@ -122,12 +160,17 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
 
     # -- unshard ---------------------------------------------------------------------------
 
+    def _unshard_unit(self, unit: str, *, reverse: bool = False) -> None:
+        for g in reversed(self.groups[unit]) if reverse else self.groups[unit]:
+            self._unshard(g)
+
     def _unshard(self, unit: str) -> None:
-        """``FSDPParamGroup.unshard``: the all-gather (its copy-in cast included), unless pending."""
+        """``FSDPParamGroup.unshard`` of one parameter group (``unit``: its name): the all-gather
+        (its copy-in cast included), unless pending."""
         mb = self.mb
         if unit in mb.unsharded or unit in mb.pending:
             return
-        if self.w == 1:  # no all-gather: the copy happens in wait_for_unshard
+        if self.w[unit] == 1:  # no all-gather: the copy happens in wait_for_unshard
             mb.pending[unit] = (None, None)
             return
         cfg, sizes = self.cfg, self.sizes[unit]
@@ -135,28 +178,36 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         allocs = [Alloc(label=out, category=Mem.COMM_BUFFERS, bytes=sizes.gather)]
         frees: list[str] = []
         deps = (mb.ag_wait,) if mb.ag_wait is not None else ()
-        if self.offload is not None:  # the shards come from the host first, cast on the device
+        # a unit resharded to k ranks gathers from its post-forward slice, on the device and
+        # already in param_dtype: no copy from the host, no cast
+        from_slice = unit in mb.post_forward
+        if (
+            self.offload is not None and not from_slice
+        ):  # the shards come from the host first, cast on the device
             h2d, consumed = self.offload.h2d(unit, mb.index, sizes.offload, deps)
             deps, frees = (h2d,), list(consumed)
-        elif sizes.cast:  # copy-in casts the shards of the parameters cast to param_dtype first
+        elif (
+            sizes.cast and not from_slice
+        ):  # copy-in casts the shards of the parameters cast to param_dtype first
             cast = self.label("all_gather_input", unit, mb.index)
             allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=sizes.cast))
             frees.append(cast)
         # the copy-in (the shard into the send buffer, cast to param_dtype) runs just before the
         # collective on the all-gather stream: it is part of this op's time
-        copy_in_s = cfg.costs.copy_s(sizes.copy_in)
+        copy_in_s = cfg.costs.copy_s(self._slice_bytes(unit) if from_slice else sizes.copy_in)
         op = self.collective(
             OpKind.ALL_GATHER,
             Stream.ALL_GATHER,
-            unit,
+            self.unit_of[unit],
             sizes.gather,
-            GroupKind.SHARD,
+            GroupKind.POST_FORWARD if from_slice else self.kind[unit],
             cfg.param_dtype,
             mb=self.mb.index,
             deps=deps,
             allocs=tuple(allocs),
             frees=tuple(frees),
             extra_s=copy_in_s,
+            name=f"all_gather {unit}",
         )
         mb.pending[unit] = (op, out)
 
@@ -173,6 +224,8 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             mb.deferred = None
         if not forward and out is not None:
             frees.append(out)
+        if unit in mb.post_forward:  # to_unsharded drops the post-forward slice after the copy-out
+            frees.append(mb.post_forward.pop(unit))
         nbytes = self.sizes[unit].gather
         params = self.label("unsharded_params", unit, mb.index)
         # FSDP2's per-unit host work in forward rides on the pre-forward copy-out
@@ -181,7 +234,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         copy_out = self.compute(
             OpKind.COPY,
             name,
-            unit,
+            self.unit_of[unit],
             mb.index,
             self.cfg.costs.copy_s(nbytes) + host_s,
             deps=(ag_op,) if ag_op is not None else (),
@@ -210,27 +263,37 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
 
     def _pre_forward(self, unit: str) -> None:
         self.host(f"fsdp2 pre-forward {unit}", unit, self.mb.index, self.cfg.costs.fsdp_forward_host_s)
-        self._unshard(unit)
-        self._wait_for_unshard(unit, forward=True)
+        for g in self.groups[unit]:  # each FSDPParamGroup's pre_forward: unshard, wait
+            self._unshard(g)
+            self._wait_for_unshard(g, forward=True)
         units = self.layout.forward_units
         start = units.index(unit) + 1 if unit != ROOT else 0
         for nxt in units[start : start + self.cfg.forward_prefetch]:
-            self._unshard(nxt)
+            self._unshard_unit(nxt)
 
     def _forward(self) -> None:
         cfg, layout, mb = self.cfg, self.layout, self.mb
         self._pre_forward(ROOT)
         last = len(cfg.segments) - 1
+        op = -1
         for i, seg in enumerate(cfg.segments):
             if seg.unit != ROOT and i == layout.first_seg[seg.unit]:
                 self._pre_forward(seg.unit)
             post_forward = seg.unit != ROOT and i == layout.last_seg[seg.unit]
-            frees = []
-            if post_forward and cfg.reshard_after_forward and seg.unit in mb.unsharded:
-                frees.append(mb.unsharded.pop(seg.unit))
+            resharded = [g for g in self.groups[seg.unit] if g in mb.unsharded and cfg.reshard_after_forward]
+            resharded = resharded if post_forward else []
+            slices = cfg.post_forward_size is not None
+            frees = [] if slices else [mb.unsharded.pop(g) for g in resharded]
             if i == last and (released := self._release_deferred()) is not None:
                 frees.append(released)
-            op = self.forward_segment(i, mb.index, mb, extra_frees=tuple(frees))
+            expert = is_expert_segment(seg, cfg.expert_modules)
+            if expert:
+                self._all_to_all("dispatch", seg.unit, after=op)
+            op = self._consume(self.forward_segment(i, mb.index, mb, extra_frees=tuple(frees)))
+            if expert:
+                self._all_to_all("combine", seg.unit, after=op)
+            for g in resharded if slices else []:
+                self._reshard_to_slice(g)
             if post_forward:
                 mb.post_forward_order.append(seg.unit)
         mb.post_forward_order.append(ROOT)
@@ -239,6 +302,57 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         # allocates in host order, so the all-gather stream waits for the forward's end
         mb.ag_wait = op
 
+    def _all_to_all(self, what: str, unit: str, *, after: int) -> None:
+        """Expert parallelism's token exchange over the EP group (torchtitan ``ExpertParallel``:
+        ``_token_dispatch`` / ``_token_combine``, ``all_to_all_single_autograd``; autograd runs each
+        again in backward): after the compute op ``after``, and the next compute op waits for it.
+        Its output, a new tensor of the same rows, lives until that op ends (``_consume``)."""
+        cfg, mb = self.cfg, self.mb
+        out = self.label(f"all_to_all_{what.replace(' ', '_')}", unit, mb.index)
+        op = self.collective(
+            OpKind.ALL_TO_ALL,
+            Stream.ALL_TO_ALL,
+            unit,
+            cfg.dispatch_bytes,
+            GroupKind.EXPERT,
+            cfg.param_dtype,
+            mb=mb.index,
+            deps=(after,) if after >= 0 else (),
+            allocs=(Alloc(label=out, category=Mem.COMM_BUFFERS, bytes=cfg.dispatch_bytes),),
+            name=f"all_to_all {what} {unit}",
+        )
+        self.compute_waits.append(op)
+        self.exchanged.append(out)
+
+    def _consume(self, op: int) -> int:
+        """The compute op ``op`` consumed the all-to-all outputs issued before it: freed when it ends."""
+        if self.exchanged:
+            self.program.add_frees(op, *self.exchanged)
+            self.exchanged = []
+        return op
+
+    def _slice_bytes(self, unit: str) -> int:
+        """A unit's post-forward slice: 1/k of its unsharded parameters (k divides the padding)."""
+        assert self.cfg.post_forward_size is not None
+        return self.sizes[unit].gather // self.cfg.post_forward_size
+
+    def _reshard_to_slice(self, unit: str) -> None:
+        """``to_sharded_post_forward``: clone this rank's 1/k of the unsharded parameters, then
+        free them (on the compute stream, right after the unit's forward)."""
+        mb = self.mb
+        nbytes = self._slice_bytes(unit)
+        label = self.label("post_forward_params", unit, mb.index)
+        self.compute(
+            OpKind.COPY,
+            f"reshard to {self.cfg.post_forward_size} ranks {unit}",
+            unit,
+            mb.index,
+            self.cfg.costs.copy_s(nbytes),
+            allocs=(Alloc(label=label, category=Mem.PARAMS, bytes=nbytes),),
+            frees=(mb.unsharded.pop(unit),),
+        )
+        mb.post_forward[unit] = label
+
     # -- backward --------------------------------------------------------------------------
 
     def _pre_backward(self, unit: str) -> None:
@@ -246,17 +360,32 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         if unit in mb.pre_backward_done:
             return
         mb.pre_backward_done.add(unit)
-        self._unshard(unit)
-        self._wait_for_unshard(unit, forward=False)
+        for g in self.groups[unit]:
+            self._unshard(g)
+            self._wait_for_unshard(g, forward=False)
         order = mb.post_forward_order
         index = len(order) - 1 - order[::-1].index(unit)
+        # two groups per unit (EP): the last prefetches the previous unit's, highest index first
         for target in order[max(0, index - self.cfg.backward_prefetch) : index][::-1]:
-            self._unshard(target)
+            self._unshard_unit(target, reverse=True)
+
+    def _before_recompute(self, i: int) -> None:
+        """Full checkpointing runs the block's forward again, its all-to-alls included."""
+        seg = self.cfg.segments[i]
+        if is_expert_segment(seg, self.cfg.expert_modules):
+            self._all_to_all("dispatch recompute", seg.unit, after=self.compute_tail)
+
+    def _after_recompute(self, i: int, op: int) -> None:
+        seg = self.cfg.segments[i]
+        self._consume(op)
+        if is_expert_segment(seg, self.cfg.expert_modules):
+            self._all_to_all("combine recompute", seg.unit, after=op)
 
     def _on_recompute_segment(self, unit: str, mb: int) -> None:
         if unit != ROOT and unit not in self.mb.pre_backward_done:
-            self._unshard(unit)  # forward hooks run again; post-forward skips the reshard
-            self._wait_for_unshard(unit, forward=True)
+            for g in self.groups[unit]:  # forward hooks run again; post-forward skips the reshard
+                self._unshard(g)
+                self._wait_for_unshard(g, forward=True)
 
     def _backward(self) -> None:
         cfg, mb = self.cfg, self.mb
@@ -272,11 +401,16 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             self._pre_backward(seg.unit)
             grad_bytes = sum(p.numel for p in cfg.gradient_params[i] if p.trainable) * cfg.param_bytes
             grads: tuple[Alloc, ...] = ()
+            expert = is_expert_segment(seg, cfg.expert_modules)
             if grad_bytes or not cfg.finetuned:  # frozen parameters leave no gradient
                 label = self.label("unsharded_grads", seg.unit, mb.index)
-                mb.unsharded_grads[seg.unit].append(label)
+                mb.unsharded_grads[seg.unit + EXPERTS if expert else seg.unit].append(label)
                 grads = (Alloc(label=label, category=Mem.GRADS, bytes=grad_bytes),)
-            op = self.backward_segment(i, mb.index, mb, end_allocs=grads)
+            if expert:
+                self._all_to_all("combine backward", seg.unit, after=op)
+            op = self._consume(self.backward_segment(i, mb.index, mb, end_allocs=grads))
+            if expert:
+                self._all_to_all("dispatch backward", seg.unit, after=op)
             if i == self.layout.first_seg[seg.unit] and self.layout.needs_grad[seg.unit]:
                 self._post_backward(seg.unit, op)
         self._final_callback(op)
@@ -289,10 +423,15 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         if unit in mb.post_backward_done:
             return
         mb.post_backward_done.add(unit)
-        cfg = self.cfg
-        self.host(f"fsdp2 post-backward {unit}", unit, mb.index, cfg.costs.fsdp_backward_host_s)
+        self.host(f"fsdp2 post-backward {unit}", unit, mb.index, self.cfg.costs.fsdp_backward_host_s)
+        for g in reversed(self.groups[unit]):  # autograd runs the last group's hook first
+            self._post_backward_group(g, after)
+
+    def _post_backward_group(self, unit: str, after: int) -> None:
+        """One parameter group's ``post_backward`` (``unit``: the group's name)."""
+        cfg, mb, owner = self.cfg, self.mb, self.unit_of[unit]
         padded = self.sizes[unit].grad_padded
-        shard = padded // self.w
+        shard = padded // self.w[unit]
         grads = mb.unsharded_grads.pop(unit)
         frees = list(grads)
         if unit in mb.unsharded:
@@ -321,7 +460,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         copy_in = self.compute(
             OpKind.COPY,
             f"reduce_scatter copy-in {unit}",
-            unit,
+            owner,
             mb.index,
             copy_in_s,
             deps=tuple(deps),
@@ -335,9 +474,10 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         self, unit: str, copy_in: int, shard: int, allocs: tuple[Alloc, ...], output_frees: tuple[str, ...]
     ) -> int:
         """The reduce-scatter (a copy on one rank), HSDP's all-reduce, and with CPU offload the copy of
-        the reduced shard to the host on the post-reduce stream; returns the reduce-scatter."""
-        cfg, mb = self.cfg, self.mb
-        padded = shard * self.w
+        the reduced shard to the host on the post-reduce stream; returns the reduce-scatter
+        (``unit``: the parameter group's name)."""
+        cfg, mb, owner = self.cfg, self.mb, self.unit_of[unit]
+        padded = shard * self.w[unit]
         tail = (
             ()
             if self.offload is None or self.offload.reduce_stream_tail is None
@@ -345,11 +485,11 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         )
         device_frees, output_frees = (output_frees, ()) if self.offload is not None else ((), output_frees)
         rs_frees = () if cfg.hybrid else output_frees
-        if self.w == 1:  # no reduce-scatter: the input is copied into the output
+        if self.w[unit] == 1:  # no reduce-scatter: the input is copied into the output
             rs = self.compute(
                 OpKind.COPY,
                 f"reduce copy {unit}",
-                unit,
+                owner,
                 mb.index,
                 cfg.costs.copy_s(padded * cfg.reduce_bytes),
                 deps=(copy_in,),
@@ -360,21 +500,22 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             rs = self.collective(
                 OpKind.REDUCE_SCATTER,
                 Stream.REDUCE_SCATTER,
-                unit,
+                owner,
                 padded * cfg.reduce_bytes,
-                GroupKind.SHARD,
+                self.kind[unit],
                 cfg.reduce_dtype,
                 mb=self.mb.index,
                 deps=(copy_in,) if cfg.hybrid else (copy_in, *tail),
                 allocs=allocs,
                 frees=rs_frees,
+                name=f"reduce_scatter {unit}",
             )
         last = rs
         if cfg.hybrid:
             last = self.collective(
                 OpKind.ALL_REDUCE,
                 Stream.ALL_REDUCE,
-                unit,
+                owner,
                 shard * cfg.reduce_bytes,
                 GroupKind.REPLICATE,
                 cfg.reduce_dtype,
@@ -401,7 +542,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         self.compute(
             OpKind.COPY,
             f"accumulate grads {unit}",
-            unit,
+            self.unit_of[unit],
             mb.index,
             cfg.costs.copy_s(nbytes),
             allocs=allocs,

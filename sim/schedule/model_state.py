@@ -53,6 +53,8 @@ def unit_numel_per_rank(step: StepConfig, unit: WrapUnit) -> int:
     w = _shard_size(step)
     if step.fsdp1 is not None:  # one FlatParameter (LoRA is modelled for FSDP2 and DDP only)
         return step.padded_numel(unit) // w
+    if step.expert_params:  # expert parallelism (full training only): local experts over world / E
+        return sum(n // s for n, s in map(step.param_sharding, unit.params))
     return sum(padded_numel(p, w) for p in unit.params if p.trainable) // w
 
 

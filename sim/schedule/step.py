@@ -10,9 +10,17 @@ from sim.costs.collectives import CollectiveCost
 from sim.costs.compute import ComputeCosts, SegmentFigures
 from sim.costs.offload import HostCosts
 from sim.workload.checkpointing import CheckpointPlan
+from sim.workload.expert_parallel import expert_padded_numel
 from sim.workload.options import Fsdp1Options, Fsdp2Offload, OptimizerName, Strategy, ZeroOptions
 from sim.workload.params import ParamSpec
-from sim.workload.units import Segment, WrapUnit, flat_param_numel, flat_param_padded_numel, gradient_params
+from sim.workload.units import (
+    Segment,
+    WrapUnit,
+    flat_param_numel,
+    flat_param_padded_numel,
+    gradient_params,
+    padded_numel,
+)
 
 FLAT_PARAM_ALIGNMENT_BYTES = 16  # FSDP1 ``_get_aligned_numel``: TorchInductor's alignment
 
@@ -57,6 +65,17 @@ class StepConfig:
     # False: gradient accumulation without synchronisation (FSDP2 set_requires_gradient_sync(False),
     # DDP no_sync) on every micro-batch but the last
     sync_every_microbatch: bool = True
+    # FSDP2's integer reshard_after_forward k (1 < k < shard_size): after forward each non-root unit
+    # keeps a 1/k slice of its unsharded parameters; backward all-gathers within groups of k ranks
+    post_forward_size: int | None = None
+    # expert parallelism (``sim.workload.expert_parallel``): E ranks per group, the names of the
+    # stacked expert weights (held as this rank's 1/E), the experts per layer, the modules that
+    # run them, and one token all-to-all's nccl-tests size (tokens · top_k · hidden · act bytes)
+    expert_parallel: int = 1
+    expert_params: frozenset[str] = frozenset()
+    experts_per_layer: int = 0
+    expert_modules: frozenset[str] = frozenset()
+    dispatch_bytes: int = 0
 
     @property
     def host_costs(self) -> HostCosts:
@@ -86,6 +105,8 @@ class StepConfig:
             return f"DeepSpeed ZeRO-{self.zero.stage}"
         if self.fsdp1 is not None:
             return "FSDP1"
+        if self.expert_parallel > 1:
+            return f"FSDP2 + expert parallel {self.expert_parallel}"
         return "DDP" if self.ddp else "FSDP2"
 
     @cached_property
@@ -103,6 +124,17 @@ class StepConfig:
     def hybrid(self) -> bool:
         return self.strategy.is_hybrid
 
+    def param_sharding(self, p: ParamSpec) -> tuple[int, int]:
+        """(padded unsharded elements, shard group size) of ``p`` under FSDP2: dim 0 padded to the
+        shard group, a local expert weight under EP to its ``world / E`` ranks
+        (``expert_padded_numel``); NO_SHARD keeps it whole on one rank's group of one."""
+        if not self.sharded:
+            return p.numel, 1
+        if p.name in self.expert_params:
+            w = self.shard_size // self.expert_parallel
+            return expert_padded_numel(p, w, self.shard_size, self.experts_per_layer), w
+        return padded_numel(p, self.shard_size), self.shard_size
+
     def flat_numel(self, unit: WrapUnit) -> int:
         """FSDP1: the unit's ``FlatParameter`` before world-size padding (its unpadded unsharded size)."""
         assert self.fsdp1 is not None
@@ -116,4 +148,6 @@ class StepConfig:
         if self.fsdp1 is not None:
             flat = self.flat_numel(unit)
             return flat_param_padded_numel(flat, self.shard_size) if self.sharded else flat
+        if self.expert_params:
+            return sum(self.param_sharding(p)[0] for p in unit.params)
         return unit.padded_numel(self.shard_size) if self.sharded else unit.numel

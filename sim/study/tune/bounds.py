@@ -16,6 +16,7 @@ simulator's own numbers, not estimates of a different model:
 from sim.schedule.model_state import ddp_bucket_bytes, model_state, numel_per_rank
 from sim.schedule.step import StepConfig
 from sim.workload.options import OptimizerName
+from sim.workload.units import WrapUnit
 
 
 def activations_at_forward_end_bytes(step: StepConfig) -> int:
@@ -39,9 +40,16 @@ def _unsharded_at_forward_end_bytes(step: StepConfig) -> int:
         if step.param_bytes == step.master_bytes:
             return 0
         return sum(sum(p.numel for p in s.params) for s in step.segments) * step.param_bytes
-    w = step.shard_size
     kept = step.units if not step.reshard_after_forward else step.units[-1:]
-    return sum(u.padded_numel(w) for u in kept) * step.param_bytes
+    held = sum(_padded(step, u) for u in kept) * step.param_bytes
+    if step.reshard_after_forward and step.post_forward_size is not None:  # the 1/k slices kept
+        held += sum(_padded(step, u) for u in step.units[:-1]) * step.param_bytes // step.post_forward_size
+    return held
+
+
+def _padded(step: StepConfig, unit: WrapUnit) -> int:
+    """A unit's unsharded elements as FSDP2 pads them (under EP its experts over world / E)."""
+    return step.padded_numel(unit) if step.expert_params else unit.padded_numel(step.shard_size)
 
 
 def memory_lower_bound_bytes(step: StepConfig) -> int:
@@ -77,8 +85,7 @@ def step_time_lower_bound_s(step: StepConfig) -> float:
     if not step.sharded:
         per_mb += costs.copy_s(numel * step.master_bytes)  # the reducer's bucket copy-out
         return step.grad_accum * per_mb + costs.optimizer_s(numel)
-    w = step.shard_size
-    padded = [u.padded_numel(w) for u in step.units]
+    padded = [_padded(step, u) for u in step.units]
     copy_out = sum(costs.copy_s(n * step.param_bytes) for n in padded)  # forward, every unit
     if step.reshard_after_forward:  # backward re-gathers every non-root unit
         copy_out += sum(costs.copy_s(n * step.param_bytes) for n in padded[:-1])
