@@ -161,6 +161,7 @@ def test_shard_one_when_the_world_exceeds_the_experts() -> None:
         (["parallel.fsdp_version=1"], "is modelled under FSDP2 only"),
         (["parallel.strategy=HYBRID_SHARD", "parallel.shard_group_size=2"], "not HYBRID_SHARD"),
         (["parallel.wrap=linear"], 'parallel.wrap = "block"'),
+        (["parallel.cpu_offload=true"], "is not modelled with parallel.cpu_offload"),
         (["checkpointing.mode=selective"], "is not modelled with op-level selective checkpointing"),
         (["parallel.reshard_after_forward=2"], "integer parallel.reshard_after_forward"),
     ],

@@ -39,6 +39,7 @@ def check_expert_parallel(s: Scenario, where: str) -> None:
             'is modelled with parallel.wrap = "block" (one fully_shard per block)',
         ),
         (s.finetune.lora, 'is modelled for full training only (finetune.method = "full")'),
+        (p.cpu_offload, "is not modelled with parallel.cpu_offload"),
         (
             isinstance(p.reshard_after_forward, int) and not isinstance(p.reshard_after_forward, bool),
             "is not modelled with an integer parallel.reshard_after_forward",
