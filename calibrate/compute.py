@@ -5,8 +5,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sim.hardware.compute_section import MODEL_FIELDS, ComputeSection, MeasuredDims, UnitMeasurement
-from sim.workload.model import ModelConfig
+from sim.hardware.compute_section import (
+    MODEL_FIELDS,
+    ComputeSection,
+    DescribedModelKey,
+    MeasuredDims,
+    UnitMeasurement,
+)
+from sim.workload.model import ModelConfig, layer_params
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +32,19 @@ class ComputeTarget:
     def model_dict(self) -> dict[str, Any]:
         return {f: getattr(self.model, f) for f in MODEL_FIELDS}
 
+    def described_key(self) -> DescribedModelKey | None:
+        d = self.model.description
+        if d is None:
+            return None
+        return DescribedModelKey(name=d.name, architecture=d.architecture, config_sha256=d.config_sha256)
+
+    def block_param_shapes(self) -> list[tuple[int, ...]]:
+        """The parameter shapes of the first decoder block (a described model's own)."""
+        d = self.model.description
+        if d is None:
+            return [s.shape for s in layer_params(self.model, 0)]
+        return [s.shape for s in d.params if s.name.startswith(d.blocks[0] + ".")]
+
 
 def compute_section(
     target: ComputeTarget,
@@ -38,6 +57,7 @@ def compute_section(
     host_overhead_in_step: bool,
     slowdown: float,
     fsdp1_unit_overhead_s: Mapping[str, float] | None = None,
+    block_units: tuple[str, ...] = (),
 ) -> ComputeSection:
     return ComputeSection(
         dims=MeasuredDims(**target.model_dict()),
@@ -54,4 +74,6 @@ def compute_section(
         compute_slowdown_during_collective=slowdown,
         fsdp1_forward_overhead_s=fsdp1_unit_overhead_s["forward"] if fsdp1_unit_overhead_s else None,
         fsdp1_backward_overhead_s=fsdp1_unit_overhead_s["backward"] if fsdp1_unit_overhead_s else None,
+        described_model=target.described_key(),
+        block_units=block_units,
     )

@@ -13,26 +13,47 @@ from typing import Any
 from calibrate.compute import ComputeTarget, compute_section
 from calibrate.dist_env import RankEnv, init_distributed, mean_over_ranks
 from calibrate.profile_io import write_profile_atomic
-from sim.hardware.compute_section import UNITS, ComputeSection, UnitMeasurement
+from sim.hardware.compute_section import ComputeSection, UnitMeasurement
 from sim.hardware.registry import read_profile_document
 
 TIME_FIELDS = ("forward_s", "backward_s", "recompute_s")
 
 
-def _measure(
-    target: ComputeTarget, device: Any, reps: int
-) -> tuple[dict[str, UnitMeasurement], dict[str, Any]]:
-    from calibrate import context_timing, device_probe, fsdp_overhead, overheads
+def _measure_llama(target: ComputeTarget, device: Any, reps: int) -> tuple[dict[str, UnitMeasurement], Any]:
+    """The Llama units alone (memory, recompute) and their times inside plain models."""
+    from calibrate import context_timing
     from calibrate.layers import build_units
     from calibrate.unit_timing import measure_unit
 
     units = build_units(target, device)
     isolated = {
-        name: measure_unit(units[name], device, reps, with_recompute=name == "block") for name in UNITS
+        name: measure_unit(unit, device, reps, with_recompute=name == "block") for name, unit in units.items()
     }
     model_times = context_timing.model_times(target, device, reps)
     measured, _ = context_timing.in_model(isolated, model_times)
-    extra: dict[str, Any] = {
+    extra = {"isolated": {f"{u}.{f}": getattr(isolated[u], f) for u in units for f in TIME_FIELDS}}
+    return measured, extra | {"block_unit": units["block"], "block_units": ()}
+
+
+def _measure_described(
+    target: ComputeTarget, device: Any, reps: int
+) -> tuple[dict[str, UnitMeasurement], Any]:
+    """A described model's own units, timed inside the real model (``calibrate.hf_units``)."""
+    from calibrate import hf_units
+
+    times, block_units = hf_units.measure_described(target, device, reps)
+    measured = hf_units.units_of(times, block_units)
+    return measured, {"block_unit": hf_units.block_unit(target, device), "block_units": block_units}
+
+
+def _measure(
+    target: ComputeTarget, device: Any, reps: int
+) -> tuple[dict[str, UnitMeasurement], dict[str, Any]]:
+    from calibrate import device_probe, fsdp_overhead, overheads
+
+    described = target.model.description is not None
+    measured, extra = (_measure_described if described else _measure_llama)(target, device, reps)
+    extra |= {
         "copy": overheads.copy_rates(target, device, max(reps, 20)),
         "optimizer_s_per_param": overheads.optimizer_s_per_param(target, device, max(reps, 10)),
         "fsdp_optimizer_s_per_param": fsdp_overhead.dtensor_optimizer_s_per_param(
@@ -43,10 +64,9 @@ def _measure(
     extra |= {
         "fsdp_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, copy_Bps),
         "fsdp1_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, copy_Bps, version=1),
-        "isolated": {f"{u}.{f}": getattr(isolated[u], f) for u in UNITS for f in TIME_FIELDS},
     }
     extra["slowdown"], extra["slowdown_raw"] = overheads.slowdown_during_collective(
-        units["block"], device, reps
+        extra.pop("block_unit"), device, reps
     )
     m = target.model
     extra["attention_kernel"] = device_probe.sdpa_kernel(
@@ -56,14 +76,15 @@ def _measure(
 
 
 def _averaged(measured: dict[str, UnitMeasurement], extra: dict[str, Any], device: Any) -> dict[str, Any]:
-    flat: dict[str, Any] = {f"{u}.{f}": getattr(measured[u], f) for u in UNITS for f in TIME_FIELDS}
+    flat: dict[str, Any] = {f"{u}.{f}": getattr(measured[u], f) for u in measured for f in TIME_FIELDS}
     flat.update({"copy": extra["copy"], "optimizer": extra["optimizer_s_per_param"]})
     flat.update(
         fsdp_optimizer=extra["fsdp_optimizer_s_per_param"],
         fsdp_unit_overhead=extra["fsdp_unit_overhead"],
         fsdp1_unit_overhead=extra["fsdp1_unit_overhead"],
-        isolated=extra["isolated"],
     )
+    if "isolated" in extra:  # the Llama units measured alone (a described model's are not)
+        flat["isolated"] = extra["isolated"]
     flat.update(slowdown=extra["slowdown"], slowdown_raw=extra["slowdown_raw"])
     avg = mean_over_ranks(flat, device)
     # the floor at zero after the mean over ranks, not before: one rank's negative raw figure
@@ -75,7 +96,11 @@ def _averaged(measured: dict[str, UnitMeasurement], extra: dict[str, Any], devic
 
 
 def _section(
-    target: ComputeTarget, measured: dict[str, UnitMeasurement], avg: dict[str, Any], device: Any
+    target: ComputeTarget,
+    measured: dict[str, UnitMeasurement],
+    avg: dict[str, Any],
+    device: Any,
+    block_units: tuple[str, ...] = (),
 ) -> ComputeSection:
     units = {
         u: UnitMeasurement(
@@ -84,7 +109,7 @@ def _section(
             forward_transient_bytes=measured[u].forward_transient_bytes,
             backward_transient_bytes=measured[u].backward_transient_bytes,
         )
-        for u in UNITS
+        for u in measured
     }
     return compute_section(
         target,
@@ -96,6 +121,7 @@ def _section(
         fsdp1_unit_overhead_s={k: avg["fsdp1_unit_overhead"][f"{k}_s"] for k in ("forward", "backward")},
         host_overhead_in_step=device.type == "cpu",
         slowdown=max(1.0, avg["slowdown"]),
+        block_units=block_units,
     )
 
 
@@ -113,25 +139,10 @@ def _source(
     import torch
 
     from calibrate import device_probe
-    from calibrate.context_timing import DEPTHS
     from calibrate.fsdp_overhead import CHAIN, TINY_SEQ
 
     return {
-        "method": (
-            f"calibrate compute: transformers {_hf_version()} LlamaDecoderLayer / Embedding / "
-            f"RMSNorm+lm_head+ForCausalLMLoss with random weights on {device}, {env.world_size} rank(s) measuring at once; "
-            f"mean of {reps} repetitions after a warm-up, averaged over ranks; forward/backward times taken inside "
-            f"plain LlamaForCausalLM models of {' and '.join(map(str, DEPTHS))} layers (block = their difference "
-            "per layer, embed + head = the rest, split as measured alone; recompute scaled like the block's "
-            "forward); recompute timed inside a "
-            "non-reentrant torch.utils.checkpoint backward; saved bytes from saved_tensors_hooks (distinct "
-            "storages, parameters excluded); transients = peak - allocated at return "
-            + (
-                "(torch.cuda.max_memory_allocated)"
-                if device.type == "cuda"
-                else "(TorchDispatchMode storage tracker)"
-            )
-        ),
+        "method": _method(target, env, device, reps),
         "device_name": device_probe.device_name(device),
         "backend": backend,
         "world_size": env.world_size,
@@ -144,10 +155,7 @@ def _source(
         "copy_rates_Bps": avg["copy"],
         "optimizer": "AdamW(foreach=True) and SGD(momentum=0.9, foreach=True) on fp32 shards: plain tensors "
         "(optimizer_s_per_param, DDP) and DTensors Shard(0) on the world mesh (fsdp_optimizer_s_per_param)",
-        "units_alone": avg["isolated"],
-        "in_model_over_alone": {
-            f: avg[f"block.{f}"] / avg["isolated"][f"block.{f}"] for f in ("forward_s", "backward_s")
-        },
+        **_alone(avg),
         "fsdp_unit_overhead": avg["fsdp_unit_overhead"]
         | {
             "method": f"{CHAIN} decoder layers of the scenario's dimensions on {TINY_SEQ} tokens with one "
@@ -160,6 +168,47 @@ def _source(
         if env.world_size < 2
         else "block forward during / before an all-reduce, floored at 1.0",
         "attention_kernel": extra["attention_kernel"],
+    }
+
+
+def _method(target: ComputeTarget, env: RankEnv, device: Any, reps: int) -> str:
+    from calibrate.context_timing import DEPTHS
+
+    d = target.model.description
+    where = f"with random weights on {device}, {env.world_size} rank(s) measuring at once; mean of {reps} "
+    if d is not None:
+        return (
+            f"calibrate compute: transformers {_hf_version()} {d.architecture} built from the description's "
+            f"config.json (model {d.name}, config sha256 {d.config_sha256[:12]}), one decoder block of each kind "
+            f"{where}training steps after a warm-up, averaged over ranks; each unit timed inside the model by "
+            "module hooks (blocks: forward pre-hook to hook, full backward pre-hook to hook; embed: its forward "
+            "hooks, backward = the rest; head = the rest of the model), recompute inside a non-reentrant "
+            "checkpoint_wrapper backward (calibrate.hf_units); bytes not measured (the description's)"
+        )
+    return (
+        f"calibrate compute: transformers {_hf_version()} LlamaDecoderLayer / Embedding / "
+        f"RMSNorm+lm_head+ForCausalLMLoss {where}repetitions after a warm-up, averaged over ranks; "
+        f"forward/backward times taken inside plain LlamaForCausalLM models of {' and '.join(map(str, DEPTHS))} "
+        "layers (block = their difference per layer, embed + head = the rest, split as measured alone; "
+        "recompute scaled like the block's forward); recompute timed inside a non-reentrant "
+        "torch.utils.checkpoint backward; saved bytes from saved_tensors_hooks (distinct storages, "
+        "parameters excluded); transients = peak - allocated at return "
+        + (
+            "(torch.cuda.max_memory_allocated)"
+            if device.type == "cuda"
+            else "(TorchDispatchMode storage tracker)"
+        )
+    )
+
+
+def _alone(avg: dict[str, Any]) -> dict[str, Any]:
+    if "isolated" not in avg:
+        return {}
+    return {
+        "units_alone": avg["isolated"],
+        "in_model_over_alone": {
+            f: avg[f"block.{f}"] / avg["isolated"][f"block.{f}"] for f in ("forward_s", "backward_s")
+        },
     }
 
 
@@ -192,7 +241,7 @@ def run_compute(
         dist.barrier()
         dog.disarm()
         if env.rank == 0:
-            section = _section(target, measured, avg, device)
+            section = _section(target, measured, avg, device, extra["block_units"])
             doc = read_profile_document(profile)
             doc["compute"] = section.to_dict()
             wall = time.perf_counter() - started

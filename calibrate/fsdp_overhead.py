@@ -28,7 +28,7 @@ from calibrate.compute import ComputeTarget
 from calibrate.overheads import optimizer_shard_shapes, optimizer_step_s_per_param
 from calibrate.sweep import TORCH_DTYPES
 from calibrate.unit_timing import synced_now
-from sim.workload.model import ModelConfig, layer_params
+from sim.workload.model import ModelConfig
 
 CHAIN = 4  # wrapped layers
 TINY_SEQ = 8
@@ -91,21 +91,29 @@ def _step(
     return t1 - t0 - forward_comm, t2 - t1 - backward_comm
 
 
-def _copy_bytes(model: ModelConfig, world: int, param_bytes: int) -> tuple[int, int]:
+def _chain(target: ComputeTarget, device: torch.device, dtype: torch.dtype) -> "_Chain | Any":
+    """``CHAIN`` decoder layers: a described model's own first block (``calibrate.hf_units``),
+    else Llama's."""
+    if target.model.description is None:
+        return _Chain(target.model, device, dtype)
+    from calibrate.hf_units import BlockChain
+
+    return BlockChain(target, device, dtype, count=CHAIN, batch=1, seq_len=TINY_SEQ)
+
+
+def _copy_bytes(shapes: list[tuple[int, ...]], world: int, param_bytes: int) -> tuple[int, int]:
     """Bytes of the copies the simulator charges one layer (``sim.schedule.fsdp2``) in forward and
     in backward (fp32 shards, fp32 reduction, resharded after forward)."""
-    padded = sum(
-        math.ceil(p.shape[0] / world) * world * math.prod(p.shape[1:]) for p in layer_params(model, 0)
-    )
+    padded = sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) for s in shapes)
     all_gather = padded // world * max(param_bytes, 4) + padded * param_bytes  # copy-in + copy-out
     return all_gather, all_gather + padded * max(param_bytes, 4)  # + reduce-scatter copy-in
 
 
-def _fsdp1_copy_bytes(model: ModelConfig, world: int, param_bytes: int) -> tuple[int, int]:
+def _fsdp1_copy_bytes(shapes: list[tuple[int, ...]], world: int, param_bytes: int) -> tuple[int, int]:
     """Bytes of the copies ``sim.schedule.fsdp1`` charges one layer in forward (the cast into the
     low-precision shard) and in backward (the flat gradient's concatenation, the cast to the fp32
     reduce dtype), at the calibration's settings (reduce in fp32, ``use_orig_params=False``)."""
-    flat = sum(p.numel for p in layer_params(model, 0))
+    flat = sum(math.prod(s) for s in shapes)
     padded = math.ceil(flat / world) * world
     forward = padded // world * max(param_bytes, 4) if param_bytes != 4 else 0
     backward = flat * param_bytes + (flat * 4 if param_bytes != 4 else 0)
@@ -116,7 +124,7 @@ def _fsdp1_copy_bytes(model: ModelConfig, world: int, param_bytes: int) -> tuple
 def _fsdp2_chain(target: ComputeTarget, device: torch.device) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    wrapped = _Chain(target.model, device, torch.float32)  # FSDP2 keeps fp32 shards and casts for compute
+    wrapped = _chain(target, device, torch.float32)  # FSDP2 keeps fp32 shards and casts for compute
     mesh = world_mesh(device)
     policy = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[target.param_dtype], reduce_dtype=torch.float32)
     for layer in wrapped.layers:
@@ -131,7 +139,7 @@ def _fsdp1_chain(target: ComputeTarget, device: torch.device) -> torch.nn.Module
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
-    chain = _Chain(target.model, device, torch.float32)
+    chain = _chain(target, device, torch.float32)
     compute = TORCH_DTYPES[target.param_dtype]
     layers = {id(layer) for layer in chain.layers}
     # cast_forward_inputs: the chain hands each layer fp32 rotary tables, as FSDP2's policy casts them
@@ -154,7 +162,7 @@ def unit_overhead(
     """Seconds FSDP2 (``version`` 1: FSDP1) adds per unit in forward and in backward beyond the
     modelled copies (>= 0), and the raw figures before that floor."""
     compute = TORCH_DTYPES[target.param_dtype]
-    plain = _Chain(target.model, device, compute)
+    plain = _chain(target, device, compute)
     wrapped = _fsdp2_chain(target, device) if version == 2 else _fsdp1_chain(target, device)
     samples: dict[str, list[tuple[float, float]]] = {"plain": [], "fsdp": []}
     rounds = max(reps, 10)
@@ -165,7 +173,7 @@ def unit_overhead(
                 samples[name].append(times)
     world = dist.get_world_size() if dist.is_initialized() else 1
     copy_bytes = _copy_bytes if version == 2 else _fsdp1_copy_bytes
-    copies = copy_bytes(target.model, world, compute.itemsize)
+    copies = copy_bytes(target.block_param_shapes(), world, compute.itemsize)
     out: dict[str, float] = {}
     for index, phase in enumerate(("forward", "backward")):
         extra = statistics.fmean(t[index] for t in samples["fsdp"]) - statistics.fmean(

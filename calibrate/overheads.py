@@ -26,7 +26,7 @@ import torch.distributed as dist
 from calibrate.compute import ComputeTarget
 from calibrate.layers import Unit
 from calibrate.sweep import TORCH_DTYPES
-from sim.workload.model import layer_params, param_specs
+from sim.workload.model import param_specs
 
 OPTIMIZER_ELEMENTS = 32 << 20
 SLOWDOWN_WINDOW_S = 1.0
@@ -52,7 +52,7 @@ def _mean_s(fn: Any, device: torch.device, reps: int) -> float:
 def copy_rates(target: ComputeTarget, device: torch.device, reps: int) -> dict[str, float]:
     """Bytes/s of FSDP2's three copies for one decoder block's parameters at ``param_dtype``."""
     w, dtype = target.world_size, TORCH_DTYPES[target.param_dtype]
-    shapes = [s.shape for s in layer_params(target.model, 0)]
+    shapes = target.block_param_shapes()
     numels = [math.prod(s) for s in shapes]
     shard = [math.ceil(n / w) for n in numels]
     shards = [torch.randn(n, device=device, dtype=dtype) for n in shard]

@@ -8,6 +8,10 @@ Large-Scale Language Model Training on GPU Clusters", Sec. 5.1). A ``compute`` s
 profile (written by ``calibrate compute``) replaces these with measurements: each group
 (embedding, decoder block, head) is scaled so that its total equals the measured time or bytes,
 which keeps the split between the ops of a group (needed for ``linear`` wrapping) from the model.
+A model described from its config.json is measured on its own units (``calibrate.hf_units``):
+each decoder block is scaled by its kind's measurement (the section's ``block_units``), the
+embedding by ``embed``, and all other work outside the blocks (rotary tables included) by
+``head``, which was timed as the rest of the model; its bytes stay the description's.
 """
 
 from collections.abc import Mapping, Sequence
@@ -111,6 +115,8 @@ class ComputeCosts:
     fsdp_forward_host_s: float = 0.0
     fsdp_backward_host_s: float = 0.0
     scales: Mapping[CalibrationGroup, GroupScale] = field(default_factory=dict)
+    # a described model's decoder blocks, each scaled by its own kind's measurement
+    block_scales: Mapping[int, GroupScale] = field(default_factory=dict)
 
     @property
     def calibrated(self) -> bool:
@@ -121,7 +127,12 @@ class ComputeCosts:
         return self.kernels.op_s(op, self.attention_kernel)
 
     def _scale(self, op: LayerOp, quantity: str) -> float:
-        scale = self.scales.get(op.group) if op.group else None
+        if self.block_scales:
+            group = op.group or CalibrationGroup.HEAD  # the head was timed as the rest of the model
+            block = self.block_scales.get(op.block) if op.block is not None else None
+            scale = block if block is not None else self.scales.get(group)
+        else:
+            scale = self.scales.get(op.group) if op.group else None
         return 1.0 if scale is None else float(getattr(scale, quantity))
 
     def figures(self, seg: Segment) -> SegmentFigures:
@@ -179,10 +190,18 @@ def _ratio(measured: float, analytic: float) -> float:
     return measured / analytic if analytic > 0 else 1.0
 
 
-def _group_scale(costs: ComputeCosts, members: list[LayerOp], measured: UnitMeasurement) -> GroupScale:
+def _group_scale(
+    costs: ComputeCosts, members: list[LayerOp], measured: UnitMeasurement, *, bytes_measured: bool = True
+) -> GroupScale:
     fwd = sum(costs.op_s(op)[0] for op in members)
     bwd = sum(costs.op_s(op)[1] for op in members)
     recompute = measured.recompute_s if measured.recompute_s > 0 else measured.forward_s
+    if not bytes_measured:  # a described model's bytes are its description's
+        return GroupScale(
+            forward=_ratio(measured.forward_s, fwd),
+            backward=_ratio(measured.backward_s, bwd),
+            recompute=_ratio(recompute, fwd),
+        )
     return GroupScale(
         forward=_ratio(measured.forward_s, fwd),
         backward=_ratio(measured.backward_s, bwd),
@@ -275,6 +294,81 @@ def _measured_workload(
     return layer_ops(model, workload), _analytic_costs(profile, compute.param_dtype, optimizer, where)
 
 
+def check_same_model(compute: ComputeSection, model: ModelConfig, where: str) -> None:
+    """Refuse a compute section measured on another model than the scenario's: Llama units for a
+    described model, or a described model's units (compared by config hash) for any other."""
+    measured = compute.described_model
+    d = model.description
+    if measured is None and d is None:
+        return
+    if d is not None and d.finetune is not None:
+        raise UserError(
+            f"{where}: its compute section was measured for full training; model {model.name} is fine-tuned "
+            f"with {d.finetune.method} and is timed by the profile's kernel model: use a profile without a "
+            "compute section"
+        )
+    if measured is not None and d is not None and measured.config_sha256 == d.config_sha256:
+        return
+    was = "Llama units" if measured is None else f"model {measured.name} ({measured.architecture})"
+    now = f"model {model.name}" + (f" ({d.architecture})" if d is not None else " (Llama)")
+    raise UserError(
+        f"{where}: its compute section was measured on {was}, not on the scenario's {now}: run "
+        "`fsdpsim calibrate compute SCENARIO --profile PROFILE` for this scenario, or use a profile "
+        "without a compute section"
+    )
+
+
+def _llama_scales(
+    profile: HardwareProfile,
+    costs: ComputeCosts,
+    ops: Sequence[LayerOp],
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    param_dtype: str,
+    optimizer: OptimizerName,
+    allow_scaling: bool,
+) -> dict[CalibrationGroup, GroupScale]:
+    compute = profile.compute
+    assert compute is not None
+    where = f"profile {profile.name}"
+    measured_ops, measured_costs = ops, costs
+    try:
+        check_compute_matches(compute, model, micro_batch, seq_len, param_dtype, where)
+    except UserError:
+        if not allow_scaling:
+            raise
+        measured_ops, measured_costs = _measured_workload(compute, profile, optimizer, where)
+    return {
+        group: _group_scale(measured_costs, _group_ops(measured_ops, group), compute.units[group.value])
+        for group in CalibrationGroup
+    }
+
+
+def _described_scales(
+    costs: ComputeCosts, ops: Sequence[LayerOp], compute: ComputeSection
+) -> tuple[dict[CalibrationGroup, GroupScale], dict[int, GroupScale]]:
+    """A described model's scales: the embedding's, the head's (every other op outside the blocks)
+    and each block's, from its kind's unit measured on the kind's first block."""
+    outside = [op for op in ops if op.block is None]
+    groups = {
+        CalibrationGroup.EMBED: [op for op in outside if op.group is CalibrationGroup.EMBED],
+        CalibrationGroup.HEAD: [op for op in outside if op.group is not CalibrationGroup.EMBED],
+    }
+    scales = {
+        g: _group_scale(costs, members, compute.units[g.value], bytes_measured=False)
+        for g, members in groups.items()
+    }
+    blocks = sorted({op.block for op in ops if op.block is not None})
+    by_unit: dict[str, GroupScale] = {}
+    for name in dict.fromkeys(compute.block_unit(b) for b in blocks):
+        first = int(name.removeprefix("block."))
+        members = [op for op in ops if op.block == first]
+        by_unit[name] = _group_scale(costs, members, compute.units[name], bytes_measured=False)
+    scales[CalibrationGroup.BLOCK] = by_unit[compute.block_unit(blocks[0])]
+    return scales, {b: by_unit[compute.block_unit(b)] for b in blocks}
+
+
 def build_compute_costs(
     profile: HardwareProfile,
     ops: Sequence[LayerOp],
@@ -306,22 +400,15 @@ def build_compute_costs(
             f'{where}: its compute section measured HF\'s eager loss; training.loss = "fused" is timed by '
             "the analytic model only (use a profile without a compute section)"
         )
+    check_same_model(compute, model, where)
+    block_scales: dict[int, GroupScale] = {}
     if model.description is not None:
-        raise UserError(
-            f"{where}: its compute section was measured on Llama units; model {model.name} comes from a "
-            "config.json and is timed by the profile's kernel model: use a profile without a compute section"
-        )
-    measured_ops, measured_costs = ops, costs
-    try:
         check_compute_matches(compute, model, micro_batch, seq_len, param_dtype, where)
-    except UserError:
-        if not allow_scaling:
-            raise
-        measured_ops, measured_costs = _measured_workload(compute, profile, optimizer, where)
-    scales = {
-        group: _group_scale(measured_costs, _group_ops(measured_ops, group), compute.units[group.value])
-        for group in CalibrationGroup
-    }
+        scales, block_scales = _described_scales(costs, ops, compute)
+    else:
+        scales = _llama_scales(
+            profile, costs, ops, model, micro_batch, seq_len, param_dtype, optimizer, allow_scaling
+        )
     per_param = compute.fsdp_optimizer_s_per_param if fsdp else compute.optimizer_s_per_param
     optimizer_s = (
         per_param.get(optimizer.value, costs.optimizer_s_per_element) if optimizer.value != "none" else 0.0
@@ -339,4 +426,5 @@ def build_compute_costs(
         fsdp_forward_overhead_s=forward_overhead if in_step else 0.0,
         fsdp_backward_overhead_s=backward_overhead if in_step else 0.0,
         scales=scales,
+        block_scales=block_scales,
     )

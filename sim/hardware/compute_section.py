@@ -18,6 +18,18 @@ JSON shape::
     U = {forward_s, backward_s, recompute_s (block only, else 0), saved_activation_bytes,
          forward_transient_bytes, backward_transient_bytes}
 
+A model described from its ``config.json`` (``sim.workload.description``) is measured on its own
+units (``calibrate.hf_units``): ``units`` then holds ``embed``, ``head`` and one ``block.<i>`` per
+kind of decoder block (``i``: the kind's first block), and two more keys say which model and
+which block is which::
+
+      "described_model": {"name": str, "architecture": str, "config_sha256": str},
+      "block_units": ["block.0", "block.1", "block.1", ...]   # the unit of every decoder block
+
+so that the section is never applied to another model. Its units' bytes are 0: a described
+model's saved activations and transients are its description's (measured by the same
+saved-tensor hooks under ``FakeTensorMode``).
+
 ``head`` is the final RMSNorm, the lm_head and HF's causal-LM cross-entropy loss; ``embed`` is the
 token embedding (the rotary tables are not part of any unit; ``sim.workload.layers`` models them).
 Unit times are means measured inside the real model (``calibrate.context_timing``); FSDP2's
@@ -35,6 +47,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from sim.errors import UserError
 from sim.hardware.json_reader import JsonReader
 
 UNITS = ("embed", "block", "head")
@@ -74,6 +87,15 @@ class MeasuredDims:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DescribedModelKey:
+    """Which described model a section's units were measured on."""
+
+    name: str
+    architecture: str
+    config_sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class ComputeSection:
     dims: MeasuredDims
     micro_batch: int
@@ -91,25 +113,41 @@ class ComputeSection:
     # the same way; None in profiles calibrated before it was measured
     fsdp1_forward_overhead_s: float | None = None
     fsdp1_backward_overhead_s: float | None = None
+    # a described model's own units: which model, and the unit that times each decoder block
+    described_model: DescribedModelKey | None = None
+    block_units: tuple[str, ...] = ()
+
+    def block_unit(self, block: int) -> str:
+        """The unit whose measurement times decoder block ``block``."""
+        return self.block_units[block] if self.block_units else "block"
 
     def to_dict(self) -> dict[str, Any]:
         """The section as the profile's JSON stores it."""
-        return {
-            "model": asdict(self.dims),
-            "micro_batch": self.micro_batch,
-            "seq_len": self.seq_len,
-            "param_dtype": self.param_dtype,
-            "units": {name: self.units[name].to_dict() for name in UNITS},
-            "copy_Bps": self.copy_Bps,
-            "optimizer_s_per_param": dict(self.optimizer_s_per_param),
-            "fsdp_optimizer_s_per_param": dict(self.fsdp_optimizer_s_per_param),
-            "fsdp_unit_overhead_s": {
-                "forward": self.fsdp_forward_overhead_s,
-                "backward": self.fsdp_backward_overhead_s,
-            },
-            "host_overhead_in_step": self.host_overhead_in_step,
-            "compute_slowdown_during_collective": self.compute_slowdown_during_collective,
-        } | self._fsdp1_dict()
+        return (
+            {
+                "model": asdict(self.dims),
+                "micro_batch": self.micro_batch,
+                "seq_len": self.seq_len,
+                "param_dtype": self.param_dtype,
+                "units": {name: u.to_dict() for name, u in self.units.items()},
+                "copy_Bps": self.copy_Bps,
+                "optimizer_s_per_param": dict(self.optimizer_s_per_param),
+                "fsdp_optimizer_s_per_param": dict(self.fsdp_optimizer_s_per_param),
+                "fsdp_unit_overhead_s": {
+                    "forward": self.fsdp_forward_overhead_s,
+                    "backward": self.fsdp_backward_overhead_s,
+                },
+                "host_overhead_in_step": self.host_overhead_in_step,
+                "compute_slowdown_during_collective": self.compute_slowdown_during_collective,
+            }
+            | self._fsdp1_dict()
+            | self._described_dict()
+        )
+
+    def _described_dict(self) -> dict[str, Any]:
+        if self.described_model is None:
+            return {}
+        return {"described_model": asdict(self.described_model), "block_units": list(self.block_units)}
 
     def _fsdp1_dict(self) -> dict[str, Any]:
         if self.fsdp1_forward_overhead_s is None or self.fsdp1_backward_overhead_s is None:
@@ -136,9 +174,10 @@ def _dims(r: JsonReader) -> MeasuredDims:
 def parse_compute_section(data: Any, where: str) -> ComputeSection:
     """The typed section; a missing or malformed field is a ``UserError`` naming ``where`` and it."""
     r = JsonReader(data, where, "compute")
+    described, block_units = _described(data, r)
     units = r.sub("units")
     measured = {}
-    for name in UNITS:
+    for name in ("embed", *dict.fromkeys(block_units), "head") if block_units else UNITS:
         u = units.sub(name)
         measured[name] = UnitMeasurement(
             forward_s=u.number("forward_s"),
@@ -167,4 +206,19 @@ def parse_compute_section(data: Any, where: str) -> ComputeSection:
         compute_slowdown_during_collective=r.number("compute_slowdown_during_collective", 1.0, 1.0),
         fsdp1_forward_overhead_s=fsdp1.number("forward") if fsdp1 is not None else None,
         fsdp1_backward_overhead_s=fsdp1.number("backward") if fsdp1 is not None else None,
+        described_model=described,
+        block_units=block_units,
     )
+
+
+def _described(data: Any, r: JsonReader) -> tuple[DescribedModelKey | None, tuple[str, ...]]:
+    if not isinstance(data, dict) or "described_model" not in data:
+        return None, ()
+    m = r.sub("described_model")
+    key = DescribedModelKey(**{f: m.get(f, str) for f in ("name", "architecture", "config_sha256")})
+    names = r.get("block_units", list)
+    if not names or not all(isinstance(n, str) and n.startswith("block.") for n in names):
+        raise UserError(
+            f"{r.where}: field compute.block_units must list a block.<i> unit for every decoder block"
+        )
+    return key, tuple(names)
