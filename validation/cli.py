@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--systems",
-        help="with --matrix: only the rows of these systems (comma-separated: fsdp2, fsdp1, deepspeed), "
+        help="with --matrix: only the rows of these systems (comma-separated: fsdp2, fsdp1, deepspeed, hf), "
         "written between markers in --out, the rest of the file kept",
     )
     p.add_argument(

@@ -81,6 +81,20 @@ MATRIX: list[tuple[str, list[str]]] = [
 ]
 
 
+HF_BASE = "validation/hf-cpu.toml"
+_HF = "model.config=../tests/data/hf/"
+# (name, overrides of HF_BASE): models from a config.json, timed on their own calibrated units
+# (``calibrate.hf_units``); the MoE in bf16, as transformers' grouped-mm experts run on a CPU
+HF_MATRIX: list[tuple[str, list[str]]] = [
+    ("hf tiny-qwen2 (dense) FULL_SHARD block fp32", [f"{_HF}tiny-qwen2.json"]),
+    (
+        "hf tiny-mixtral (MoE, 4 experts, top-2) FULL_SHARD block bf16",
+        [f"{_HF}tiny-mixtral.json", "precision.param_dtype=bf16"],
+    ),
+]
+MATRIX += HF_MATRIX
+
+
 MEMORY_BASE = "scenarios/llama2-7b-8xh100-zero3.toml"
 _BF16 = ["precision.param_dtype=bf16", "precision.reduce_dtype=fp32"]
 _FP32 = ["precision.param_dtype=fp32", "precision.reduce_dtype=fp32"]
@@ -186,11 +200,14 @@ def median_comparison(rounds: list[Comparison]) -> Comparison:
     return Comparison(rows=rows, collectives=collectives, measured_step_s=measured_step_s)
 
 
-SYSTEMS = ("fsdp2", "fsdp1", "deepspeed")
+SYSTEMS = ("fsdp2", "fsdp1", "deepspeed", "hf")
 
 
 def system_of(overrides: list[str]) -> str:
-    """Which system a matrix row runs: FSDP1 (``parallel.fsdp_version=1``), DeepSpeed, or FSDP2/DDP."""
+    """Which system a matrix row runs: FSDP1 (``parallel.fsdp_version=1``), DeepSpeed, FSDP2/DDP,
+    or FSDP2 on a model from a config.json (``hf``, the rows of ``HF_BASE``)."""
+    if any(o.startswith("model.config=") for o in overrides):
+        return "hf"
     if any(o.startswith("deepspeed.") for o in overrides):
         return "deepspeed"
     return "fsdp1" if "parallel.fsdp_version=1" in overrides else "fsdp2"
@@ -220,9 +237,10 @@ def _run_config(
     """One configuration in one round: its compute calibrated for its own dimensions, then run."""
     folder.mkdir()
     sets = [*overrides, f"parallel.world_size={nproc}"]
-    profile = calibrated_profile(BASE, sets, nproc, folder, str(comm))
+    base = HF_BASE if system_of(overrides) == "hf" else BASE
+    profile = calibrated_profile(base, sets, nproc, folder, str(comm))
     run = validate_one(
-        BASE, overrides, nproc=nproc, steps=steps, warmup=warmup, profile=profile, timeout_s=1800
+        base, overrides, nproc=nproc, steps=steps, warmup=warmup, profile=profile, timeout_s=1800
     )
     return run.comparison
 
@@ -292,6 +310,12 @@ def _memory_summary(memory: list[tuple[str, Comparison]]) -> list[str]:
     ]
 
 
+def _bases(systems: set[str] | None) -> str:
+    if systems == {"hf"}:
+        return f"base `{HF_BASE}`"
+    return f"base `{BASE}`" + (f", the hf rows `{HF_BASE}`" if systems is None or "hf" in systems else "")
+
+
 def _document(
     results: list[tuple[str, Comparison]],
     memory: list[tuple[str, Comparison]],
@@ -310,7 +334,7 @@ def _document(
         "",
         *_machine(nproc),
         "",
-        f"`make validate` ({steps} timed steps after {warmup} warm-up, {nproc} ranks; base `{BASE}`). "
+        f"`make validate` ({steps} timed steps after {warmup} warm-up, {nproc} ranks; {_bases(systems)}). "
         f"{rounds} interleaved round(s): each recalibrates the collectives, then calibrates every configuration's "
         "compute for its own dimensions and runs it for real right after. Every figure below is the median "
         "over rounds (the min and max of a measured step are over all rounds).",
