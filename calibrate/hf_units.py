@@ -198,11 +198,14 @@ def measure_described(
     target: ComputeTarget, device: torch.device, reps: int
 ) -> tuple[dict[str, float], tuple[str, ...]]:
     """The mean times of every unit (flat ``unit.field`` keys) and the unit of each decoder block."""
-    if _description(target).finetune is not None:
+    d = _description(target)
+    stacks = {b.rpartition(".")[0] for b in d.blocks}
+    if d.finetune is not None or len(stacks) > 1:
         from sim.errors import UserError
 
+        what = "fine-tuned with LoRA/QLoRA" if d.finetune is not None else "an encoder-decoder (two stacks)"
         raise UserError(
-            "calibrate compute: a model fine-tuned with LoRA/QLoRA is timed by the kernel model only "
+            f"calibrate compute: model {d.name} is {what}; it is timed by the kernel model only "
             "(use a profile without a compute section)"
         )
     torch.manual_seed(0)

@@ -190,3 +190,17 @@ def test_the_matrix_rows_of_described_models_are_their_own_system() -> None:
     for _, overrides in HF_MATRIX:  # each row's config exists where the base scenario points
         config = next(o for o in overrides if o.startswith("model.config=")).split("=", 1)[1]
         assert (ROOT / HF_BASE).parent.joinpath(config).is_file()
+
+
+@pytest.mark.parametrize("block_units", [[], ["embed", "block.0"], "block.0"])
+def test_malformed_block_units_are_refused_by_name(
+    calibrated: Path, tmp_path: Path, block_units: object
+) -> None:
+    from sim.errors import UserError
+
+    doc = json.loads(calibrated.read_text())
+    doc["compute"]["block_units"] = block_units
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(UserError, match="block_units"):
+        load_profile(str(path))

@@ -256,7 +256,14 @@ def _analytic_costs(
 
 
 def check_compute_matches(
-    compute: ComputeSection, model: ModelConfig, micro_batch: int, seq_len: int, param_dtype: str, where: str
+    compute: ComputeSection,
+    model: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    param_dtype: str,
+    where: str,
+    *,
+    scalable: bool = True,
 ) -> None:
     """Refuse a compute section measured at other dimensions than the scenario's.
 
@@ -274,8 +281,12 @@ def check_compute_matches(
     if wrong:
         raise UserError(
             f"{where}: its compute section was measured at other dimensions: {'; '.join(wrong)}. "
-            "Run `fsdpsim calibrate compute SCENARIO --profile PROFILE` for this scenario, or set "
-            "cluster.compute_scaling = true to scale the measurements by the analytic model"
+            "Run `fsdpsim calibrate compute SCENARIO --profile PROFILE` for this scenario"
+            + (
+                ", or set cluster.compute_scaling = true to scale the measurements by the analytic model"
+                if scalable
+                else " (a described model's measurements are not scaled to other dimensions)"
+            )
         )
 
 
@@ -403,7 +414,7 @@ def build_compute_costs(
     check_same_model(compute, model, where)
     block_scales: dict[int, GroupScale] = {}
     if model.description is not None:
-        check_compute_matches(compute, model, micro_batch, seq_len, param_dtype, where)
+        check_compute_matches(compute, model, micro_batch, seq_len, param_dtype, where, scalable=False)
         scales, block_scales = _described_scales(costs, ops, compute)
     else:
         scales = _llama_scales(

@@ -174,7 +174,8 @@ def _dims(r: JsonReader) -> MeasuredDims:
 def parse_compute_section(data: Any, where: str) -> ComputeSection:
     """The typed section; a missing or malformed field is a ``UserError`` naming ``where`` and it."""
     r = JsonReader(data, where, "compute")
-    described, block_units = _described(data, r)
+    dims = _dims(r)
+    described, block_units = _described(data, r, dims.n_layers)
     units = r.sub("units")
     measured = {}
     for name in ("embed", *dict.fromkeys(block_units), "head") if block_units else UNITS:
@@ -192,7 +193,7 @@ def parse_compute_section(data: Any, where: str) -> ComputeSection:
         r.sub("fsdp1_unit_overhead_s") if isinstance(data, dict) and "fsdp1_unit_overhead_s" in data else None
     )
     return ComputeSection(
-        dims=_dims(r),
+        dims=dims,
         micro_batch=int(r.get("micro_batch", int)),
         seq_len=int(r.get("seq_len", int)),
         param_dtype=r.get("param_dtype", str),
@@ -211,14 +212,14 @@ def parse_compute_section(data: Any, where: str) -> ComputeSection:
     )
 
 
-def _described(data: Any, r: JsonReader) -> tuple[DescribedModelKey | None, tuple[str, ...]]:
+def _described(data: Any, r: JsonReader, n_layers: int) -> tuple[DescribedModelKey | None, tuple[str, ...]]:
     if not isinstance(data, dict) or "described_model" not in data:
         return None, ()
     m = r.sub("described_model")
     key = DescribedModelKey(**{f: m.get(f, str) for f in ("name", "architecture", "config_sha256")})
     names = r.get("block_units", list)
-    if not names or not all(isinstance(n, str) and n.startswith("block.") for n in names):
+    if len(names) != n_layers or not all(isinstance(n, str) and n.startswith("block.") for n in names):
         raise UserError(
-            f"{r.where}: field compute.block_units must list a block.<i> unit for every decoder block"
+            f"{r.where}: field compute.block_units must list a block.<i> unit for each of the {n_layers} decoder blocks"
         )
     return key, tuple(names)
