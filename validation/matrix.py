@@ -264,6 +264,7 @@ def run_matrix(
     runs: list[list[Comparison]] = [[] for _ in matrix]
     results: list[tuple[str, Comparison]] = []
     memory: list[tuple[str, Comparison]] = []
+    loads: list[float] = []
     with tempfile.TemporaryDirectory(prefix="fsdpsim-matrix-") as tmp:
         for rnd in range(rounds):
             comm = Path(tmp) / f"comm{rnd}.json"
@@ -271,14 +272,17 @@ def run_matrix(
             for i, (name, overrides) in enumerate(matrix):
                 print(f"[round {rnd + 1}/{rounds}, {i + 1}/{len(matrix)}] {name}", flush=True)
                 folder = Path(tmp) / f"round{rnd}-config{i}"
+                loads.append(os.getloadavg()[0])  # a shared host: how loaded it was, next to the figures
                 runs[i].append(_run_config(overrides, folder, comm, steps=steps, warmup=warmup, nproc=nproc))
                 results = [(matrix[j][0], median_comparison(r)) for j, r in enumerate(runs) if r]
-                _write(out, systems, _document(results, memory, steps, warmup, nproc, rnd + 1, systems))
+                _write(
+                    out, systems, _document(results, memory, steps, warmup, nproc, rnd + 1, systems, loads)
+                )
     for i, (name, overrides) in enumerate(memory_matrix):
         print(f"[memory {i + 1}/{len(memory_matrix)}] {name}", flush=True)
         comparison, _ = validate_memory_only(MEMORY_BASE, overrides, timeout_s=1800)
         memory.append((name, comparison))
-        _write(out, systems, _document(results, memory, steps, warmup, nproc, rounds, systems))
+        _write(out, systems, _document(results, memory, steps, warmup, nproc, rounds, systems, loads))
     return results
 
 
@@ -310,6 +314,16 @@ def _memory_summary(memory: list[tuple[str, Comparison]]) -> list[str]:
     ]
 
 
+def _load(loads: list[float]) -> list[str]:
+    if not loads:
+        return []
+    return [
+        f"- load: the 1-minute load average (`uptime`) as each configuration's calibration and run started: "
+        f"min {min(loads):.2f}, median {statistics.median(loads):.2f}, max {max(loads):.2f} on "
+        f"{os.cpu_count()} cores (the host is shared: step times are noisy)"
+    ]
+
+
 def _bases(systems: set[str] | None) -> str:
     if systems == {"hf"}:
         return f"base `{HF_BASE}`"
@@ -324,6 +338,7 @@ def _document(
     nproc: int,
     rounds: int,
     systems: set[str] | None = None,
+    loads: list[float] | None = None,
 ) -> str:
     title = "# Validation: fsdp-sim against real FSDP2 runs"
     if systems is not None:
@@ -333,6 +348,7 @@ def _document(
         title,
         "",
         *_machine(nproc),
+        *_load(loads or []),
         "",
         f"`make validate` ({steps} timed steps after {warmup} warm-up, {nproc} ranks; {_bases(systems)}). "
         f"{rounds} interleaved round(s): each recalibrates the collectives, then calibrates every configuration's "
