@@ -83,6 +83,17 @@ def _moved_bytes(args: Any, kwargs: Any, out: Any) -> int:
     return sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(t) for t in _tensors(out))
 
 
+def _work(
+    name: str, func: Any, args: Any, kwargs: Any, out: Any
+) -> tuple[float, tuple[int, int, int, int] | None, float]:
+    """(FLOPs, matmul shape, elementwise bytes moved) of one aten call, forward or backward alike."""
+    if name.startswith(MATMULS) or "grouped_mm" in name:
+        return matmul_flops(name, func, args, kwargs, out), gemm_shape(name, args), 0.0
+    if not func.is_view and not name.startswith(ZERO_COPY):
+        return 0.0, None, float(_moved_bytes(args, kwargs, out))
+    return 0.0, None, 0.0
+
+
 def gemm_shape(name: str, args: tuple[Any, ...]) -> tuple[int, int, int, int] | None:
     """(M, N, K, count) of a matmul call; a grouped matmul as its experts' mean shape (tokens
     against stacked 3-D weights, or, for the weights' gradient in backward, 2-D by 2-D with the
@@ -200,24 +211,20 @@ class Tracer(TorchDispatchMode):
             index = self._current_backward_op()
             record = self.ops[index]
             record.backward_ops.append(self.step)
-            if name.startswith(MATMULS) or "grouped_mm" in name:
-                record.backward_flops += matmul_flops(name, func, args, kwargs, out)
-                shape = gemm_shape(name, args)
-                if shape is not None:
-                    record.backward_gemms.append(shape)
-            elif not func.is_view and not name.startswith(ZERO_COPY):
-                record.backward_memory_bytes += _moved_bytes(args, kwargs, out)
+            flops, shape, moved = _work(name, func, args, kwargs, out)
+            record.backward_flops += flops
+            record.backward_memory_bytes += moved
+            if shape is not None:
+                record.backward_gemms.append(shape)
             self._record_outputs(out, inputs, index)
             return out
         op = self._current_forward_op()
         op.aten_ops.append(self.step)
-        if name.startswith(MATMULS) or "grouped_mm" in name:
-            op.flops += matmul_flops(name, func, args, kwargs, out)
-            shape = gemm_shape(name, args)
-            if shape is not None:
-                op.gemms.append(shape)
-        elif not func.is_view and not name.startswith(ZERO_COPY):
-            op.memory_bytes += _moved_bytes(args, kwargs, out)
+        flops, shape, moved = _work(name, func, args, kwargs, out)
+        op.flops += flops
+        op.memory_bytes += moved
+        if shape is not None:
+            op.gemms.append(shape)
         self._record_outputs(out, inputs, op.index)
         return out
 

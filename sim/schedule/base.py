@@ -285,8 +285,7 @@ class ScheduleBuilder:
         for i, seg in enumerate(self.cfg.segments):
             if seg.block != block:
                 continue
-            self._on_recompute_segment(seg.unit, mb)
-            self._before_recompute(i)
+            self._before_recompute(i, mb)
             fig = self.cfg.figures[i]
             recomputed_bytes = max(0, fig.saved_bytes - fig.sac_kept_bytes) if selective else fig.saved_bytes
             saved = self.label("recomputed_activations", seg.unit, mb)
@@ -307,11 +306,9 @@ class ScheduleBuilder:
             )
             self._after_recompute(i, op)
 
-    def _on_recompute_segment(self, unit: str, mb: int) -> None:
-        """Before a segment is recomputed (FSDP2 gathers its unit again)."""
-
-    def _before_recompute(self, i: int) -> None:
-        """Just before segment ``i``'s recompute is issued (expert parallelism's dispatch)."""
+    def _before_recompute(self, i: int, mb: int) -> None:
+        """Just before segment ``i``'s recompute is issued (FSDP2 gathers its unit again, then
+        expert parallelism's dispatch)."""
 
     def _after_recompute(self, i: int, op: int) -> None:
         """Just after segment ``i``'s recompute ``op`` is issued (expert parallelism's combine)."""

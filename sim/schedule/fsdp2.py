@@ -369,23 +369,23 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         for target in order[max(0, index - self.cfg.backward_prefetch) : index][::-1]:
             self._unshard_unit(target, reverse=True)
 
-    def _before_recompute(self, i: int) -> None:
-        """Full checkpointing runs the block's forward again, its all-to-alls included."""
+    def _before_recompute(self, i: int, mb: int) -> None:
+        """Full checkpointing runs the block's forward again: its forward hooks (the unit gathered
+        again; post-forward skips the reshard) and its all-to-alls included."""
         seg = self.cfg.segments[i]
+        unit = seg.unit
+        if unit != ROOT and unit not in self.mb.pre_backward_done:
+            for g in self.groups[unit]:
+                self._unshard(g)
+                self._wait_for_unshard(g, forward=True)
         if is_expert_segment(seg, self.cfg.expert_modules):
-            self._all_to_all("dispatch recompute", seg.unit, after=self.compute_tail)
+            self._all_to_all("dispatch recompute", unit, after=self.compute_tail)
 
     def _after_recompute(self, i: int, op: int) -> None:
         seg = self.cfg.segments[i]
         self._consume(op)
         if is_expert_segment(seg, self.cfg.expert_modules):
             self._all_to_all("combine recompute", seg.unit, after=op)
-
-    def _on_recompute_segment(self, unit: str, mb: int) -> None:
-        if unit != ROOT and unit not in self.mb.pre_backward_done:
-            for g in self.groups[unit]:  # forward hooks run again; post-forward skips the reshard
-                self._unshard(g)
-                self._wait_for_unshard(g, forward=True)
 
     def _backward(self) -> None:
         cfg, mb = self.cfg, self.mb
