@@ -22,8 +22,14 @@ class DeepSpeedTrainer:
 
     def __init__(self, scenario: Scenario):
         import deepspeed
+        import deepspeed.ops
         import torch.distributed as dist
 
+        if not torch.cuda.is_available():
+            # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce at start-up (about 40 s
+            # on a fresh machine) that only `inference_all_reduce` (AutoTP inference) calls; ZeRO's
+            # collectives go through torch.distributed, so the step run is the same without it.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=dist.get_backend())
         self.scenario = scenario
         self.rank = dist.get_rank()
