@@ -21,6 +21,7 @@ def target_from_args(args: argparse.Namespace, ranks: int) -> ComputeTarget:
     if args.scenario:
         if any(f is not None for f in flags):
             raise UserError("give a scenario file or --model/--micro-batch/--seq-len/--param-dtype, not both")
+        from sim.scenario.deepspeed_config import deepspeed_config
         from sim.scenario.loader import load_scenario
 
         sc = load_scenario(args.scenario, args.overrides)
@@ -30,6 +31,7 @@ def target_from_args(args: argparse.Namespace, ranks: int) -> ComputeTarget:
             seq_len=sc.training.seq_len,
             param_dtype=sc.precision.param_dtype,
             world_size=sc.parallel.world_size,
+            deepspeed_config=deepspeed_config(sc) if sc.deepspeed.enabled else None,
         )
     if args.model is None or args.micro_batch is None or args.seq_len is None:
         raise UserError("calibrate compute needs a scenario file, or --model, --micro-batch and --seq-len")

@@ -28,6 +28,9 @@ class ComputeTarget:
     seq_len: int
     param_dtype: str
     world_size: int
+    # the scenario's DeepSpeed config (``sim.scenario.deepspeed_config``) when it trains under
+    # DeepSpeed ZeRO: its optimizer step is then timed through the real engine
+    deepspeed_config: Mapping[str, Any] | None = None
 
     def model_dict(self) -> dict[str, Any]:
         return {f: getattr(self.model, f) for f in MODEL_FIELDS}
@@ -58,6 +61,7 @@ def compute_section(
     slowdown: float,
     fsdp1_unit_overhead_s: Mapping[str, float] | None = None,
     block_units: tuple[str, ...] = (),
+    deepspeed_step_s_per_param: Mapping[str, float] | None = None,
 ) -> ComputeSection:
     return ComputeSection(
         dims=MeasuredDims(**target.model_dict()),
@@ -76,4 +80,5 @@ def compute_section(
         fsdp1_backward_overhead_s=fsdp1_unit_overhead_s["backward"] if fsdp1_unit_overhead_s else None,
         described_model=target.described_key(),
         block_units=block_units,
+        deepspeed_step_s_per_param=dict(deepspeed_step_s_per_param or {}),
     )

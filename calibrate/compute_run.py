@@ -65,6 +65,12 @@ def _measure(
         "fsdp_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, copy_Bps),
         "fsdp1_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, copy_Bps, version=1),
     }
+    if target.deepspeed_config is not None and device.type == "cpu":
+        from calibrate import deepspeed_overhead
+
+        extra["deepspeed_step"] = deepspeed_overhead.step_s_per_param(
+            target, target.deepspeed_config, device, reps
+        )
     extra["slowdown"], extra["slowdown_raw"] = overheads.slowdown_during_collective(
         extra.pop("block_unit"), device, reps
     )
@@ -83,6 +89,8 @@ def _averaged(measured: dict[str, UnitMeasurement], extra: dict[str, Any], devic
         fsdp_unit_overhead=extra["fsdp_unit_overhead"],
         fsdp1_unit_overhead=extra["fsdp1_unit_overhead"],
     )
+    if "deepspeed_step" in extra:
+        flat["deepspeed_step"] = extra["deepspeed_step"]
     if "isolated" in extra:  # the Llama units measured alone (a described model's are not)
         flat["isolated"] = extra["isolated"]
     flat.update(slowdown=extra["slowdown"], slowdown_raw=extra["slowdown_raw"])
@@ -122,6 +130,11 @@ def _section(
         host_overhead_in_step=device.type == "cpu",
         slowdown=max(1.0, avg["slowdown"]),
         block_units=block_units,
+        deepspeed_step_s_per_param=(
+            {str(target.deepspeed_config["zero_optimization"]["stage"]): avg["deepspeed_step"]["s_per_param"]}
+            if "deepspeed_step" in avg and target.deepspeed_config is not None
+            else None
+        ),
     )
 
 
@@ -168,7 +181,18 @@ def _source(
         if env.world_size < 2
         else "block forward during / before an all-reduce, floored at 1.0",
         "attention_kernel": extra["attention_kernel"],
-    }
+    } | (
+        {
+            "deepspeed_step": avg["deepspeed_step"]
+            | {
+                "method": "deepspeed.initialize with the scenario's DeepSpeed config on a module holding the "
+                "scenario's parameters; engine.step() after a backward, less the collectives it calls, per "
+                "element of this rank's partition (calibrate.deepspeed_overhead)"
+            }
+        }
+        if "deepspeed_step" in avg
+        else {}
+    )
 
 
 def _method(target: ComputeTarget, env: RankEnv, device: Any, reps: int) -> str:

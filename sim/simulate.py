@@ -134,6 +134,7 @@ def build_step(
         and not scenario.deepspeed.enabled,
         fsdp_version=parallel.fsdp_version,
         lenders=builtin_devices(),
+        deepspeed_stage=scenario.deepspeed.stage if scenario.deepspeed.enabled else None,
     )
     topology = job_topology(scenario)
     network = network or scenario_network(scenario, profile)

@@ -109,6 +109,10 @@ class ComputeCosts:
     # zero unless the host is the device (on a GPU it runs ahead of the kernels)
     fsdp_forward_overhead_s: float = 0.0
     fsdp_backward_overhead_s: float = 0.0
+    # DeepSpeed ZeRO's measured engine.step() less its collectives, per partition element (None:
+    # not measured for this stage, or the host is not the device); the schedules then charge it
+    # in place of their modelled casts, unscale, optimizer and copy-back
+    deepspeed_step_s_per_element: float | None = None
     # on a GPU host: eager dispatch per Python-level op (backward: autograd issues about twice as
     # many), and FSDP2's per-unit hook work, both on the host stream
     host_op_s: float = 0.0
@@ -393,6 +397,7 @@ def build_compute_costs(
     fsdp: bool = True,
     fsdp_version: int = 2,
     lenders: Mapping[str, DeviceSpec] | None = None,
+    deepspeed_stage: int | None = None,
 ) -> ComputeCosts:
     """The cost model for ``param_dtype`` work on ``profile``, calibrated when the profile has a
     compute section. A section measured at other dimensions is refused, unless ``allow_scaling``:
@@ -400,7 +405,8 @@ def build_compute_costs(
     analytic model at the scenario's. ``fsdp`` picks the optimizer measured on FSDP2's DTensor
     shards (else on plain tensors, as DDP and FSDP1 hold them); ``fsdp_version`` 1 takes FSDP1's
     measured per-unit host work where the section has it (else FSDP2's). ``lenders`` are profiles a part without
-    a published attention curve may borrow one from (``sim.costs.gpu.borrowed_attention``)."""
+    a published attention curve may borrow one from (``sim.costs.gpu.borrowed_attention``).
+    ``deepspeed_stage`` (a DeepSpeed ZeRO scenario's) takes the section's measured step for it."""
     where = f"profile {profile.name}"
     costs = _analytic_costs(profile, param_dtype, optimizer, where, lenders)
     compute = profile.compute
@@ -436,6 +442,11 @@ def build_compute_costs(
         optimizer_s_per_element=optimizer_s,
         fsdp_forward_overhead_s=forward_overhead if in_step else 0.0,
         fsdp_backward_overhead_s=backward_overhead if in_step else 0.0,
+        deepspeed_step_s_per_element=(
+            compute.deepspeed_step_s_per_param.get(str(deepspeed_stage))
+            if in_step and deepspeed_stage is not None
+            else None
+        ),
         scales=scales,
         block_scales=block_scales,
     )

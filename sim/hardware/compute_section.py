@@ -12,6 +12,7 @@ JSON shape::
       "fsdp_optimizer_s_per_param": {"adamw": float, "sgd": float},     # DTensor shards (FSDP2)
       "fsdp_unit_overhead_s": {"forward": float, "backward": float},    # FSDP2's host work per unit
       "fsdp1_unit_overhead_s": {"forward": float, "backward": float},   # FSDP1's (optional)
+      "deepspeed_step_s_per_param": {"1" | "2" | "3": float},  # DeepSpeed's whole step (optional)
       "host_overhead_in_step": bool,   # true where the host is the device (CPU): the overhead adds up
       "compute_slowdown_during_collective": float
     }
@@ -44,7 +45,7 @@ backward the ledger holds ``backward_transient_bytes`` on top of everything live
 """
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from sim.errors import UserError
@@ -116,6 +117,9 @@ class ComputeSection:
     # a described model's own units: which model, and the unit that times each decoder block
     described_model: DescribedModelKey | None = None
     block_units: tuple[str, ...] = ()
+    # DeepSpeed ZeRO's ``engine.step()`` less its collectives, per element of a rank's partition,
+    # by stage ("1", "2", "3"; measured for the calibrated scenario's stage, on a CPU only)
+    deepspeed_step_s_per_param: Mapping[str, float] = field(default_factory=dict)
 
     def block_unit(self, block: int) -> str:
         """The unit whose measurement times decoder block ``block``."""
@@ -142,6 +146,11 @@ class ComputeSection:
             }
             | self._fsdp1_dict()
             | self._described_dict()
+            | (
+                {"deepspeed_step_s_per_param": dict(self.deepspeed_step_s_per_param)}
+                if self.deepspeed_step_s_per_param
+                else {}
+            )
         )
 
     def _described_dict(self) -> dict[str, Any]:
@@ -209,7 +218,24 @@ def parse_compute_section(data: Any, where: str) -> ComputeSection:
         fsdp1_backward_overhead_s=fsdp1.number("backward") if fsdp1 is not None else None,
         described_model=described,
         block_units=block_units,
+        deepspeed_step_s_per_param=_deepspeed_step(data, r),
     )
+
+
+DEEPSPEED_STAGES = ("1", "2", "3")
+
+
+def _deepspeed_step(data: Any, r: JsonReader) -> dict[str, float]:
+    if not isinstance(data, dict) or "deepspeed_step_s_per_param" not in data:
+        return {}
+    table = r.sub("deepspeed_step_s_per_param")
+    for stage in table.data:
+        if stage not in DEEPSPEED_STAGES:
+            raise UserError(
+                f"{r.where}: field compute.deepspeed_step_s_per_param has stage {stage!r}; "
+                f"allowed: {', '.join(DEEPSPEED_STAGES)}"
+            )
+    return {stage: table.number(stage) for stage in table.data}
 
 
 def _described(data: Any, r: JsonReader, n_layers: int) -> tuple[DescribedModelKey | None, tuple[str, ...]]:

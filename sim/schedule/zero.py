@@ -229,22 +229,21 @@ class Zero12ScheduleBuilder(ScheduleBuilder):
         fp32_grad = "fp32_grad_partition"
         convert_s = cfg.costs.copy_s(part * (cfg.param_bytes + cfg.master_bytes))
         scale_s = cfg.costs.copy_s(part * cfg.master_bytes) if self.zero.loss_scaling else 0.0  # unscale
+        step_s = convert_s + scale_s + cfg.costs.optimizer_s(part)
+        copy_back_s = cfg.costs.copy_s(part * (cfg.master_bytes + cfg.param_bytes))
+        measured = cfg.costs.deepspeed_step_s_per_element
+        if measured is not None:  # the whole step measured through the real engine, copy-back included
+            step_s, copy_back_s = measured * part, 0.0
         self.compute(
             OpKind.OPTIMIZER,
             "optimizer step (fp32 partition)",
             ROOT,
             mb,
-            convert_s + scale_s + cfg.costs.optimizer_s(part),
+            step_s,
             allocs=(Alloc(label=fp32_grad, category=Mem.GRADS, bytes=part * cfg.master_bytes),),
             frees=(fp32_grad, *([self.partition_label] if self.partition_label else [])),
         )
-        copy = self.compute(
-            OpKind.COPY,
-            "fp32 partition -> params",
-            ROOT,
-            mb,
-            cfg.costs.copy_s(part * (cfg.master_bytes + cfg.param_bytes)),
-        )
+        copy = self.compute(OpKind.COPY, "fp32 partition -> params", ROOT, mb, copy_back_s)
         self.collective(
             OpKind.ALL_GATHER,
             Stream.ALL_GATHER,

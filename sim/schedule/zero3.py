@@ -332,7 +332,9 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
                 ROOT,
                 mb,
                 cfg.costs.copy_s(numel * (cfg.param_bytes + 2 * cfg.master_bytes))
-                + cfg.costs.optimizer_s(numel),
+                + cfg.costs.optimizer_s(numel)
+                if cfg.costs.deepspeed_step_s_per_element is None
+                else cfg.costs.deepspeed_step_s_per_element * numel,  # measured through the real engine
                 allocs=(Alloc(label=label, category=Mem.GRADS, bytes=numel * cfg.master_bytes),),
                 frees=(label,),
             )
