@@ -62,6 +62,7 @@ def compute_section(
     fsdp1_unit_overhead_s: Mapping[str, float] | None = None,
     block_units: tuple[str, ...] = (),
     deepspeed_step_s_per_param: Mapping[str, float] | None = None,
+    deepspeed_layer_overhead_s: Mapping[str, Mapping[str, float]] | None = None,
 ) -> ComputeSection:
     return ComputeSection(
         dims=MeasuredDims(**target.model_dict()),
@@ -81,4 +82,5 @@ def compute_section(
         described_model=target.described_key(),
         block_units=block_units,
         deepspeed_step_s_per_param=dict(deepspeed_step_s_per_param or {}),
+        deepspeed_layer_overhead_s=dict(deepspeed_layer_overhead_s or {}),
     )

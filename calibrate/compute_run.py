@@ -71,6 +71,9 @@ def _measure(
         extra["deepspeed_step"] = deepspeed_overhead.step_s_per_param(
             target, target.deepspeed_config, device, reps
         )
+        extra["deepspeed_layer"] = deepspeed_overhead.layer_overhead(
+            target, target.deepspeed_config, device, reps, copy_Bps
+        )
     extra["slowdown"], extra["slowdown_raw"] = overheads.slowdown_during_collective(
         extra.pop("block_unit"), device, reps
     )
@@ -91,15 +94,17 @@ def _averaged(measured: dict[str, UnitMeasurement], extra: dict[str, Any], devic
     )
     if "deepspeed_step" in extra:
         flat["deepspeed_step"] = extra["deepspeed_step"]
+        flat["deepspeed_layer"] = extra["deepspeed_layer"]
     if "isolated" in extra:  # the Llama units measured alone (a described model's are not)
         flat["isolated"] = extra["isolated"]
     flat.update(slowdown=extra["slowdown"], slowdown_raw=extra["slowdown_raw"])
     avg = mean_over_ranks(flat, device)
     # the floor at zero after the mean over ranks, not before: one rank's negative raw figure
     # (noise on a loaded host) must not lift the mean of the floored ones above the floored mean
-    overhead = avg["fsdp_unit_overhead"]
-    for phase in ("forward", "backward"):
-        overhead[f"{phase}_s"] = max(0.0, overhead[f"{phase}_raw_s"])
+    for key in ("fsdp_unit_overhead", "deepspeed_layer"):
+        for phase in ("forward", "backward"):
+            if key in avg:
+                avg[key][f"{phase}_s"] = max(0.0, avg[key][f"{phase}_raw_s"])
     return avg
 
 
@@ -130,12 +135,20 @@ def _section(
         host_overhead_in_step=device.type == "cpu",
         slowdown=max(1.0, avg["slowdown"]),
         block_units=block_units,
-        deepspeed_step_s_per_param=(
-            {str(target.deepspeed_config["zero_optimization"]["stage"]): avg["deepspeed_step"]["s_per_param"]}
-            if "deepspeed_step" in avg and target.deepspeed_config is not None
-            else None
-        ),
+        **_deepspeed_fields(target, avg),
     )
+
+
+def _deepspeed_fields(target: ComputeTarget, avg: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed figures, keyed by the calibrated scenario's stage."""
+    if "deepspeed_step" not in avg or target.deepspeed_config is None:
+        return {}
+    stage = str(target.deepspeed_config["zero_optimization"]["stage"])
+    layer = avg["deepspeed_layer"]
+    return {
+        "deepspeed_step_s_per_param": {stage: avg["deepspeed_step"]["s_per_param"]},
+        "deepspeed_layer_overhead_s": {stage: {p: layer[f"{p}_s"] for p in ("forward", "backward")}},
+    }
 
 
 def _source(
@@ -188,7 +201,13 @@ def _source(
                 "method": "deepspeed.initialize with the scenario's DeepSpeed config on a module holding the "
                 "scenario's parameters; engine.step() after a backward, less the collectives it calls, per "
                 "element of this rank's partition (calibrate.deepspeed_overhead)"
-            }
+            },
+            "deepspeed_layer": avg["deepspeed_layer"]
+            | {
+                "method": "4 decoder layers of the scenario's dimensions on 8 tokens through deepspeed.initialize "
+                "with the scenario's config against the same layers plain, interleaved, less the engine's "
+                "blocking collectives, over 4, less the copies the ZeRO schedules charge; floored at 0"
+            },
         }
         if "deepspeed_step" in avg
         else {}

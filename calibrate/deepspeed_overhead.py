@@ -12,6 +12,12 @@ cheap forward and backward that give every parameter a gradient, then ``engine.s
 less the collectives it calls (the overflow flag and norm all-reduces, the parameter
 all-gather: the simulator times those as collectives), per element of this rank's partition.
 
+Its host work in forward and backward (ZeRO-3's hooks on every module call: fetch, release,
+partition bookkeeping; ZeRO-1/2's gradient hooks and bucket bookkeeping) is measured as FSDP's is
+(``calibrate.fsdp_overhead``): ``CHAIN`` decoder layers on a few tokens through the engine against
+the same layers plain, less the engine's blocking collectives and the copies the schedules charge,
+per layer; the schedules spread it over a layer's module calls (ZeRO-3) or parameters (ZeRO-1/2).
+
 Only where the host is the device (a CPU): on a GPU the step's kernels are the GPU cost model's,
 and its host work runs ahead of them.
 """
@@ -25,6 +31,7 @@ import torch
 
 from calibrate.compute import ComputeTarget
 from calibrate.overheads import OPTIMIZER_ELEMENTS
+from calibrate.sweep import TORCH_DTYPES
 from calibrate.unit_timing import synced_now
 from sim.workload.model import param_specs
 
@@ -107,3 +114,94 @@ def step_s_per_param(
     engine.destroy()
     mean_s = statistics.fmean(step_s)
     return {"step_s": mean_s, "partition_numel": float(partition), "s_per_param": mean_s / partition}
+
+
+class _ChainLoss(torch.nn.Module):
+    """The calibration's decoder layers with the loss DeepSpeed's engine returns."""
+
+    def __init__(self, chain: torch.nn.Module):
+        super().__init__()
+        self.chain = chain
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.chain(h).float().sum()
+
+
+def _copy_bytes(target: ComputeTarget, config: Mapping[str, Any], world: int) -> tuple[int, int]:
+    """Bytes of the copies the ZeRO schedules charge one decoder layer in forward and backward:
+    each gradient into the IPG bucket, then (stages 1/2) this rank's slice of the reduced bucket
+    into ``grads_in_partition`` or (stage 3) the bucket's flatten and partition add
+    (``sim.schedule.zero``, ``zero3``). The forward copies none for modules that own one weight."""
+    numel = sum(math.prod(s) for s in target.block_param_shapes())
+    param_bytes = TORCH_DTYPES[target.param_dtype].itemsize
+    reduce_dtype = config.get("communication_data_type", target.param_dtype)
+    reduce_bytes = TORCH_DTYPES[reduce_dtype].itemsize
+    if config["zero_optimization"]["stage"] == 3:
+        return 0, round(numel * param_bytes + numel * reduce_bytes * (1 + 1 / world))
+    return 0, numel * param_bytes + numel // world * param_bytes
+
+
+def layer_overhead(
+    target: ComputeTarget, config: Mapping[str, Any], device: torch.device, reps: int, copy_Bps: float
+) -> dict[str, float]:
+    """Seconds DeepSpeed adds per decoder layer in forward and backward (its module hooks under
+    ZeRO-3, its gradient hooks and bucket bookkeeping under ZeRO-1/2) beyond the collectives and
+    the copies the schedules charge: ``CHAIN`` layers of the scenario's dimensions on ``TINY_SEQ``
+    tokens through the engine, against the same layers plain, interleaved (raw: before the floor)."""
+    import deepspeed
+    import deepspeed.ops
+    import torch.distributed as dist
+
+    from calibrate.collective_timer import timed_collectives
+    from calibrate.fsdp_overhead import CHAIN, TINY_SEQ, _chain
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    world = dist.get_world_size()
+    compute = TORCH_DTYPES[target.param_dtype]
+    plain = _chain(target, device, compute)
+    ds_config = dict(config) | {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+    }
+    records: list[tuple[str, float, float, int]] = []
+    samples: dict[str, list[tuple[float, float]]] = {"plain": [], "deepspeed": []}
+    hidden = target.model.hidden
+
+    def comm(t0: float, t1: float) -> float:
+        return sum(e - s for _, s, e, _ in records if s >= t0 and e <= t1)
+
+    with timed_collectives(records):
+        module = _ChainLoss(_chain(target, device, compute))  # as the engine would cast it
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, model_parameters=module.parameters(), config=ds_config
+        )
+        for rep in range(WARMUP_STEPS + max(reps, 10)):
+            x = torch.randn(1, TINY_SEQ, hidden, device=device, dtype=compute, requires_grad=True)
+            t0 = synced_now(device)
+            loss = plain(x).float().sum()
+            t1 = synced_now(device)
+            loss.backward()
+            t2 = synced_now(device)
+            for p in plain.parameters():
+                p.grad = None
+            y = x.detach().requires_grad_(True)
+            t3 = synced_now(device)
+            loss = engine(y)
+            t4 = synced_now(device)
+            engine.backward(loss)
+            t5 = synced_now(device)
+            engine.step()  # not timed: DeepSpeed needs it before the next backward
+            if rep >= WARMUP_STEPS:
+                samples["plain"].append((t1 - t0, t2 - t1))
+                samples["deepspeed"].append((t4 - t3 - comm(t3, t4), t5 - t4 - comm(t4, t5)))
+    engine.destroy()
+    copies = _copy_bytes(target, config, world)
+    out = {}
+    for index, phase in enumerate(("forward", "backward")):
+        extra = statistics.fmean(s[index] for s in samples["deepspeed"]) - statistics.fmean(
+            s[index] for s in samples["plain"]
+        )
+        out[f"{phase}_raw_s"] = extra / CHAIN - copies[index] / copy_Bps
+    return out

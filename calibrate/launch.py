@@ -1,7 +1,7 @@
 """``--nproc N``: run a calibration on this machine without torchrun.
 
 The launcher starts N copies of ``python -m calibrate ...`` with torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT) and
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, LOCAL_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT) and
 watches them. It imports no torch. When a worker fails, the others are stopped and the launcher
 reports which rank failed; workers write their profile only after every measurement, so a failed
 run leaves no profile behind. Like torchrun, it sets OMP_NUM_THREADS (cores / N) unless set.
@@ -44,6 +44,9 @@ def worker_env(rank: int, nproc: int, port: int, command: str) -> dict[str, str]
         WORLD_SIZE=str(nproc),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(nproc),
+        # what DeepSpeed's own launcher exports: without it DeepSpeed's CPU accelerator forks
+        # `numactl --hardware` on every device_count() call, three times a ZeRO-3 step here
+        LOCAL_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         **{WORKER_ENV: "1", COMMAND_ENV: command},

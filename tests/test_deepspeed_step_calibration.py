@@ -114,6 +114,7 @@ def test_a_gpu_profile_never_charges_it(calibrated: Path) -> None:
     rate = data["compute"]["deepspeed_step_s_per_param"]["3"]
     (step,) = [o for o in r.program.ops if o.kind is OpKind.OPTIMIZER]
     assert step.duration_s != pytest.approx(rate * _partition(3))
+    assert not any(o.name.startswith("deepspeed hooks") for o in r.program.ops)
 
 
 def test_the_section_round_trips_and_refuses_an_unknown_stage(calibrated: Path) -> None:
@@ -124,3 +125,45 @@ def test_the_section_round_trips_and_refuses_an_unknown_stage(calibrated: Path) 
     message = r"p.json: field compute.deepspeed_step_s_per_param has stage '4'; allowed: 1, 2, 3"
     with pytest.raises(UserError, match=message):
         parse_compute_section(bad, "p.json")
+
+
+def _hooks_per_layer(r, phase_before_backward: bool) -> dict[int, float]:
+    """Seconds of DeepSpeed hook time charged to each decoder layer in forward (or backward)."""
+    ops = list(r.program.ops)
+    first_backward = next(i for i, o in enumerate(ops) if o.kind is OpKind.BACKWARD)
+    out: dict[int, float] = {}
+    for i, o in enumerate(ops):
+        module = o.name.removeprefix("deepspeed hooks ")
+        if o.kind is not OpKind.HOST or module == o.name or (i < first_backward) != phase_before_backward:
+            continue
+        if not module.startswith("model.layers."):
+            continue
+        layer = int(module.split(".")[2])
+        out[layer] = out.get(layer, 0.0) + o.duration_s
+    return out
+
+
+def test_zero3_charges_each_layer_its_measured_hook_time_once_per_pass(calibrated: Path) -> None:
+    profile = load_profile(str(calibrated))
+    layer = profile.compute.deepspeed_layer_overhead_s["3"]  # type: ignore[union-attr]
+    source = json.loads(calibrated.read_text())["source"]["compute"]["deepspeed_layer"]
+    for phase in ("forward", "backward"):
+        assert layer[phase] == max(0.0, source[f"{phase}_raw_s"])  # floored after the mean over ranks
+    r = simulate(_scenario(), profile)
+    n_layers = r.scenario.model.n_layers
+    for phase, forward in (("forward", True), ("backward", False)):
+        if layer[phase] > 0:
+            per_layer = _hooks_per_layer(r, forward)
+            assert sorted(per_layer) == list(range(n_layers))
+            assert list(per_layer.values()) == pytest.approx([layer[phase]] * n_layers)
+
+
+def test_zero2_spreads_a_layers_hook_time_over_its_parameters(calibrated: Path) -> None:
+    data = json.loads(calibrated.read_text())
+    data["compute"]["deepspeed_layer_overhead_s"] = {"2": {"forward": 0.0, "backward": 2e-3}}
+    profile_path = calibrated.parent / "stage2-hooks.json"
+    profile_path.write_text(json.dumps(data))
+    r = simulate(_scenario("deepspeed.stage=2"), load_profile(str(profile_path)))
+    assert not _hooks_per_layer(r, True)  # nothing measured in forward, nothing charged
+    per_layer = _hooks_per_layer(r, False)
+    assert list(per_layer.values()) == pytest.approx([2e-3] * r.scenario.model.n_layers)

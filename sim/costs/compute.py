@@ -113,6 +113,10 @@ class ComputeCosts:
     # not measured for this stage, or the host is not the device); the schedules then charge it
     # in place of their modelled casts, unscale, optimizer and copy-back
     deepspeed_step_s_per_element: float | None = None
+    # DeepSpeed's measured host work per decoder layer and pass beyond its collectives and the
+    # copies the schedules charge (zero unless measured for the stage and the host is the device)
+    deepspeed_layer_forward_s: float = 0.0
+    deepspeed_layer_backward_s: float = 0.0
     # on a GPU host: eager dispatch per Python-level op (backward: autograd issues about twice as
     # many), and FSDP2's per-unit hook work, both on the host stream
     host_op_s: float = 0.0
@@ -183,6 +187,13 @@ class ComputeCosts:
 
     def optimizer_s(self, numel: int) -> float:
         return numel * self.optimizer_s_per_element
+
+
+def _deepspeed_layer(compute: ComputeSection, stage: int | None) -> dict[str, float]:
+    layer = compute.deepspeed_layer_overhead_s.get(str(stage)) if stage is not None else None
+    if layer is None:
+        return {}
+    return {"deepspeed_layer_forward_s": layer["forward"], "deepspeed_layer_backward_s": layer["backward"]}
 
 
 def _group_ops(ops: Sequence[LayerOp], group: CalibrationGroup) -> list[LayerOp]:
@@ -447,6 +458,7 @@ def build_compute_costs(
             if in_step and deepspeed_stage is not None
             else None
         ),
+        **_deepspeed_layer(compute, deepspeed_stage if in_step else None),
         scales=scales,
         block_scales=block_scales,
     )

@@ -13,6 +13,7 @@ JSON shape::
       "fsdp_unit_overhead_s": {"forward": float, "backward": float},    # FSDP2's host work per unit
       "fsdp1_unit_overhead_s": {"forward": float, "backward": float},   # FSDP1's (optional)
       "deepspeed_step_s_per_param": {"1" | "2" | "3": float},  # DeepSpeed's whole step (optional)
+      "deepspeed_layer_overhead_s": {"1" | "2" | "3": {"forward": float, "backward": float}},  # its hooks
       "host_overhead_in_step": bool,   # true where the host is the device (CPU): the overhead adds up
       "compute_slowdown_during_collective": float
     }
@@ -120,6 +121,8 @@ class ComputeSection:
     # DeepSpeed ZeRO's ``engine.step()`` less its collectives, per element of a rank's partition,
     # by stage ("1", "2", "3"; measured for the calibrated scenario's stage, on a CPU only)
     deepspeed_step_s_per_param: Mapping[str, float] = field(default_factory=dict)
+    # its host work per decoder layer beyond its collectives and the modelled copies, by stage
+    deepspeed_layer_overhead_s: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def block_unit(self, block: int) -> str:
         """The unit whose measurement times decoder block ``block``."""
@@ -149,6 +152,15 @@ class ComputeSection:
             | (
                 {"deepspeed_step_s_per_param": dict(self.deepspeed_step_s_per_param)}
                 if self.deepspeed_step_s_per_param
+                else {}
+            )
+            | (
+                {
+                    "deepspeed_layer_overhead_s": {
+                        k: dict(v) for k, v in self.deepspeed_layer_overhead_s.items()
+                    }
+                }
+                if self.deepspeed_layer_overhead_s
                 else {}
             )
         )
@@ -219,23 +231,38 @@ def parse_compute_section(data: Any, where: str) -> ComputeSection:
         described_model=described,
         block_units=block_units,
         deepspeed_step_s_per_param=_deepspeed_step(data, r),
+        deepspeed_layer_overhead_s=_deepspeed_layer(data, r),
     )
 
 
 DEEPSPEED_STAGES = ("1", "2", "3")
 
 
-def _deepspeed_step(data: Any, r: JsonReader) -> dict[str, float]:
-    if not isinstance(data, dict) or "deepspeed_step_s_per_param" not in data:
-        return {}
-    table = r.sub("deepspeed_step_s_per_param")
+def _by_stage(data: Any, r: JsonReader, key: str) -> JsonReader | None:
+    if not isinstance(data, dict) or key not in data:
+        return None
+    table = r.sub(key)
     for stage in table.data:
         if stage not in DEEPSPEED_STAGES:
             raise UserError(
-                f"{r.where}: field compute.deepspeed_step_s_per_param has stage {stage!r}; "
-                f"allowed: {', '.join(DEEPSPEED_STAGES)}"
+                f"{r.where}: field compute.{key} has stage {stage!r}; allowed: {', '.join(DEEPSPEED_STAGES)}"
             )
-    return {stage: table.number(stage) for stage in table.data}
+    return table
+
+
+def _deepspeed_step(data: Any, r: JsonReader) -> dict[str, float]:
+    table = _by_stage(data, r, "deepspeed_step_s_per_param")
+    return {} if table is None else {stage: table.number(stage) for stage in table.data}
+
+
+def _deepspeed_layer(data: Any, r: JsonReader) -> dict[str, dict[str, float]]:
+    table = _by_stage(data, r, "deepspeed_layer_overhead_s")
+    if table is None:
+        return {}
+    return {
+        stage: {phase: table.sub(stage).number(phase) for phase in ("forward", "backward")}
+        for stage in table.data
+    }
 
 
 def _described(data: Any, r: JsonReader, n_layers: int) -> tuple[DescribedModelKey | None, tuple[str, ...]]:

@@ -70,6 +70,7 @@ class Zero12ScheduleBuilder(ScheduleBuilder):
         for index in range(cfg.grad_accum):
             self.mb = Activations()
             for i in range(len(cfg.segments)):
+                self._hooks(i, index, forward=True)
                 self.forward_segment(i, index, self.mb)
             self._backward(index)
         self._step()
@@ -104,6 +105,7 @@ class Zero12ScheduleBuilder(ScheduleBuilder):
                 allocs.append(
                     Alloc(label=self.grads[p.name], category=Mem.GRADS, bytes=p.numel * cfg.param_bytes)
                 )
+            self._hooks(i, mb, forward=False)
             op = self.backward_segment(i, mb, self.mb, end_allocs=tuple(allocs))
             if eager and fresh:
                 self._setup_buckets(mb)
@@ -119,6 +121,17 @@ class Zero12ScheduleBuilder(ScheduleBuilder):
             if self.buckets_label is not None:  # _release_ipg_buffers
                 self.program.add_frees(self.reductions[-1], self.buckets_label)
                 self.buckets_label = None
+
+    def _hooks(self, i: int, mb: int, *, forward: bool) -> None:
+        """DeepSpeed's measured host work per parameter (its gradient hooks and the bucket
+        bookkeeping; ``calibrate.deepspeed_overhead``), one decoder layer's measured time spread
+        over the layer's parameters; zero unless the host is the device."""
+        costs, seg = self.cfg.costs, self.cfg.segments[i]
+        per_layer_s = costs.deepspeed_layer_forward_s if forward else costs.deepspeed_layer_backward_s
+        layer_params = sum(len(s.params) for s in self.cfg.segments if s.block == 0)
+        if per_layer_s > 0 and seg.params and layer_params:
+            name = f"deepspeed hooks {seg.params[0].name.rsplit('.', 1)[0]}"  # the module hooked
+            self.compute(OpKind.HOST, name, seg.unit, mb, per_layer_s * len(seg.params) / layer_params)
 
     def _add_to_bucket(self, p: ParamSpec, unit: str, mb: int, after: int) -> None:
         cfg = self.cfg

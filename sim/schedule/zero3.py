@@ -37,7 +37,7 @@ from sim.schedule.base import Activations, ScheduleBuilder
 from sim.schedule.step import StepConfig
 from sim.schedule.zero3_trace import ModuleCall, SegmentUse, segment_uses
 from sim.schedule.zero_state import partition_numel, persistent, zero_params
-from sim.workload.model import ParamSpec
+from sim.workload.model import ParamSpec, layer_prefix
 from sim.workload.options import OPTIMIZER_STATES
 from sim.workload.units import ROOT
 
@@ -70,6 +70,17 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
         self.n = cfg.world_size
         self.uses = segment_uses(cfg)
         self.calls = [c for u in self.uses for c in u.calls]  # the trace: every fetch_sub_module
+        # the first decoder layer's module calls per pass (forward with recompute, and backward):
+        # what one layer's measured hook time covers
+        self.layer_calls = {
+            phase: sum(
+                1
+                for u in self.uses
+                for c in u.calls
+                if _in_first_layer(c.module) and (u.phase is OpKind.BACKWARD) == (phase is OpKind.BACKWARD)
+            )
+            for phase in (OpKind.FORWARD, OpKind.BACKWARD)
+        }
         self.specs = {p.name: p for p in zero_params(cfg)}
         self.persist = {name for name, p in self.specs.items() if persistent(cfg, p)}
         self.bucket = Bucket()
@@ -96,6 +107,7 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
                     self._fetch(t, call, mb, self.cfg.segments[use.segment].unit)
                     called.append((t, call))
                     t += 1
+                self._hooks(use, mb)
                 if not use.compute:
                     deferred += called
                     continue
@@ -108,6 +120,21 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
             self.compute_waits = list(self.reductions)
         self._step()
         return self.program
+
+    def _hooks(self, use: SegmentUse, mb: int) -> None:
+        """DeepSpeed's measured host work around module calls (fetch, release, partition
+        bookkeeping; ``calibrate.deepspeed_overhead``), spread evenly over a decoder layer's calls
+        of the pass; zero unless the host is the device."""
+        costs = self.cfg.costs
+        forward = use.phase is not OpKind.BACKWARD
+        per_layer_s = costs.deepspeed_layer_forward_s if forward else costs.deepspeed_layer_backward_s
+        calls = self.layer_calls[OpKind.FORWARD if forward else OpKind.BACKWARD]
+        if per_layer_s <= 0 or not calls:
+            return
+        unit = self.cfg.segments[use.segment].unit
+        for call in use.calls:  # the modules outside the layers (embedding, head, root) at the same rate
+            name = f"deepspeed hooks {call.module or '(root)'}"
+            self.compute(OpKind.HOST, name, unit, mb, per_layer_s / calls)
 
     def _run(self, use: SegmentUse, mb: int) -> int:
         i = use.segment
@@ -385,3 +412,7 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
 
 def build_zero3_program(cfg: StepConfig) -> Program:
     return Zero3ScheduleBuilder(cfg).build()
+
+
+def _in_first_layer(module: str) -> bool:
+    return module == layer_prefix(0) or module.startswith(layer_prefix(0) + ".")
