@@ -32,9 +32,9 @@ test: lint
 bench: install
 	$(BIN)/python -m bench
 
-# SYSTEMS=fsdp1,deepspeed: only those rows, written between markers in VALIDATION.md
+# SYSTEMS=fsdp1,deepspeed: only those rows, written between markers in VALIDATION.md; ROUNDS=1: one round
 validate: install
-	$(BIN)/fsdpsim validate --matrix --out VALIDATION.md $(if $(SYSTEMS),--systems $(SYSTEMS))
+	$(BIN)/fsdpsim validate --matrix --out VALIDATION.md $(if $(SYSTEMS),--systems $(SYSTEMS)) $(if $(ROUNDS),--rounds $(ROUNDS))
 
 validate-published: install
 	$(BIN)/fsdpsim validate --published --out VALIDATION.md

@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --matrix: only the rows of these systems (comma-separated: fsdp2, fsdp1, deepspeed, hf), "
         "written between markers in --out, the rest of the file kept",
     )
+    p.add_argument("--rounds", type=int, default=None, help="with --matrix: interleaved rounds (default 3)")
     p.add_argument(
         "--published",
         action="store_true",
@@ -91,10 +92,15 @@ def main(argv: list[str]) -> int:
 
 
 def _matrix(args: argparse.Namespace) -> int:
-    from validation.matrix import run_matrix
+    from validation.matrix import ROUNDS, run_matrix
 
     out, systems = args.out or "VALIDATION.md", _systems(args.systems)
-    run_matrix(out=out, steps=args.steps, warmup=args.warmup, nproc=args.nproc, systems=systems)
+    rounds = ROUNDS if args.rounds is None else args.rounds
+    if rounds < 1:
+        raise UserError(f"--rounds must be >= 1, got {rounds}")
+    run_matrix(
+        out=out, steps=args.steps, warmup=args.warmup, nproc=args.nproc, systems=systems, rounds=rounds
+    )
     return 0
 
 
