@@ -55,3 +55,24 @@ def timed_collectives(records: list[tuple[str, float, float, int]]) -> Iterator[
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+@contextmanager
+def timed_waits(records: list[tuple[str, float, float, int]]) -> Iterator[None]:
+    """Append ("wait", start, end, 0) for every ``Work.wait()`` inside: where a system issues its
+    collectives with ``async_op=True`` (DeepSpeed), the host blocks in the wait, not the call."""
+    import torch.distributed as dist
+
+    original = dist.Work.wait
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = original(self, *args, **kwargs)
+        records.append(("wait", start, time.perf_counter(), 0))
+        return result
+
+    dist.Work.wait = timed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        dist.Work.wait = original  # type: ignore[method-assign]

@@ -62,6 +62,17 @@ def _shapes(target: ComputeTarget, world: int) -> list[tuple[int, ...]]:
     return chosen
 
 
+def blocked_s(records: list[tuple[str, float, float, int]], t0: float, t1: float) -> float:
+    """Seconds within [t0, t1] the host spent in collectives or their waits: the union of the
+    intervals (a synchronous call's own ``work.wait()`` lies inside the call's interval)."""
+    total, end = 0.0, t0
+    for _, start, stop, _ in sorted((r for r in records if r[1] >= t0 and r[2] <= t1), key=lambda r: r[1]):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
 def _partition_numel(optimizer: Any) -> int:
     """Elements of this rank's fp32 partition, as the ZeRO optimizer holds it (stages 1/2: the
     flat group's slice; stage 3: each parameter's partition, flattened per sub-group)."""
@@ -81,7 +92,7 @@ def step_s_per_param(
     import deepspeed.ops
     import torch.distributed as dist
 
-    from calibrate.collective_timer import timed_collectives
+    from calibrate.collective_timer import timed_collectives, timed_waits
 
     # as validation.build_deepspeed: no shared-memory all-reduce build (AutoTP inference only)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -95,8 +106,9 @@ def step_s_per_param(
     }
     records: list[tuple[str, float, float, int]] = []
     step_s: list[float] = []
-    # the wrapper is in place before the engine exists: DeepSpeed keeps its all-gather function
-    with timed_collectives(records):
+    # the wrappers are in place before the engine exists (DeepSpeed keeps its all-gather function);
+    # it issues most collectives with async_op=True, so the host blocks in Work.wait
+    with timed_collectives(records), timed_waits(records):
         module = _Parameters(shapes)
         engine, optimizer, _, _ = deepspeed.initialize(
             model=module, model_parameters=module.parameters(), config=ds_config
@@ -107,7 +119,7 @@ def step_s_per_param(
             t0 = synced_now(device)
             engine.step()
             t1 = synced_now(device)
-            comm = sum(e - s for _, s, e, _ in records if s >= t0 and e <= t1)
+            comm = blocked_s(records, t0, t1)
             if rep >= WARMUP_STEPS:
                 step_s.append(t1 - t0 - comm)
     partition = _partition_numel(optimizer)
@@ -152,7 +164,7 @@ def layer_overhead(
     import deepspeed.ops
     import torch.distributed as dist
 
-    from calibrate.collective_timer import timed_collectives
+    from calibrate.collective_timer import timed_collectives, timed_waits
     from calibrate.fsdp_overhead import CHAIN, TINY_SEQ, _chain
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -169,10 +181,7 @@ def layer_overhead(
     samples: dict[str, list[tuple[float, float]]] = {"plain": [], "deepspeed": []}
     hidden = target.model.hidden
 
-    def comm(t0: float, t1: float) -> float:
-        return sum(e - s for _, s, e, _ in records if s >= t0 and e <= t1)
-
-    with timed_collectives(records):
+    with timed_collectives(records), timed_waits(records):
         module = _ChainLoss(_chain(target, device, compute))  # as the engine would cast it
         engine, _, _, _ = deepspeed.initialize(
             model=module, model_parameters=module.parameters(), config=ds_config
@@ -195,7 +204,9 @@ def layer_overhead(
             engine.step()  # not timed: DeepSpeed needs it before the next backward
             if rep >= WARMUP_STEPS:
                 samples["plain"].append((t1 - t0, t2 - t1))
-                samples["deepspeed"].append((t4 - t3 - comm(t3, t4), t5 - t4 - comm(t4, t5)))
+                samples["deepspeed"].append(
+                    (t4 - t3 - blocked_s(records, t3, t4), t5 - t4 - blocked_s(records, t4, t5))
+                )
     engine.destroy()
     copies = _copy_bytes(target, config, world)
     out = {}

@@ -167,3 +167,19 @@ def test_zero2_spreads_a_layers_hook_time_over_its_parameters(calibrated: Path) 
     assert not _hooks_per_layer(r, True)  # nothing measured in forward, nothing charged
     per_layer = _hooks_per_layer(r, False)
     assert list(per_layer.values()) == pytest.approx([2e-3] * r.scenario.model.n_layers)
+
+
+def test_blocked_time_is_the_union_of_calls_and_waits() -> None:
+    """A synchronous collective's own wait lies inside its call: counted once; waits outside the
+    window are not counted."""
+    from calibrate.deepspeed_overhead import blocked_s
+
+    records = [
+        ("all_gather", 1.0, 2.0, 8),
+        ("wait", 1.5, 1.9, 0),  # inside the call above
+        ("wait", 1.8, 2.5, 0),  # overlaps its end
+        ("all_reduce", 3.0, 3.25, 4),
+        ("wait", 9.0, 9.5, 0),  # outside [0, 5]
+    ]
+    assert blocked_s(records, 0.0, 5.0) == pytest.approx(1.5 + 0.25)
+    assert blocked_s(records, 2.9, 3.5) == pytest.approx(0.25)
