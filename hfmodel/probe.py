@@ -37,6 +37,7 @@ class AttentionCall:
     dropout: float = 0.0  # attention dropout probability (T5 trains with its dropout_rate)
     bias: bool = False  # an additive float bias (T5's relative position bias) masks the scores
     bias_grad: bool = False  # and it needs a gradient (learned; T5's cross-attention bias is zeros)
+    softcap: bool = False  # the scores are tanh soft-capped (Gemma 2's attn_logit_softcapping)
 
 
 class _Empty(torch.autograd.Function):
@@ -99,6 +100,7 @@ class ProbeRecorder:
                 dropout=float(kwargs.get("dropout") or 0.0),
                 bias=kwargs.get("position_bias") is not None,
                 bias_grad=bool(getattr(kwargs.get("position_bias"), "requires_grad", False)),
+                softcap=bool(kwargs.get("softcap")),
             )
         )
         self.inputs.append(

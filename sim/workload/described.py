@@ -38,7 +38,18 @@ def _check_workload(d: ModelDescription, w: Workload) -> None:
         )
 
 
-def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
+def float_mask_count(d: ModelDescription) -> int:
+    """The additive float masks HF's eager path builds once per forward: one per causal pattern of
+    the model's attention calls (``masking_utils``: ``create_causal_mask`` and, for sliding-window
+    layers, ``create_sliding_window_causal_mask``; ``eager_mask`` never skips a causal one), each
+    alive until the decoder stack returns. A bidirectional call without padding needs none."""
+    patterns = {
+        (a.window, a.seq_len, a.kv_seq_len) for op in d.ops if (a := op.attention) is not None and a.causal
+    }
+    return len(patterns)
+
+
+def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> LayerOp:
     assert op.attention is not None
     a = op.attention
     shape = AttentionShape(
@@ -54,6 +65,8 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
         dropout=a.dropout,
         bias=a.bias,
         bias_grad=a.bias_grad,
+        softcap=a.softcap,
+        float_masks=masks,
     )
     flops, saved, fwd, bwd = attention_kernel_figures(shape, w, output_saved=not a.output_counted)
     # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)
@@ -102,7 +115,7 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
     )
 
 
-def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload) -> LayerOp:
+def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, masks: int) -> LayerOp:
     single = len(op.gemms) == 1 and op.gemms[0][3] == 1
     base = LayerOp(
         name=op.name,
@@ -123,7 +136,7 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload) -> Laye
         backward_memory_bytes=op.backward_memory_bytes,
         reuses=op.reuses,
     )
-    return _attention_op(op, base, w) if op.attention is not None else base
+    return _attention_op(op, base, w, masks) if op.attention is not None else base
 
 
 def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
@@ -144,7 +157,8 @@ def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
 def described_layer_ops(d: ModelDescription, w: Workload) -> tuple[LayerOp, ...]:
     _check_workload(d, w)
     specs = {s.name: s for s in d.params}
-    ops = [_layer_op(op, specs, w) for op in d.ops]
+    masks = float_mask_count(d)
+    ops = [_layer_op(op, specs, w, masks) for op in d.ops]
     if d.finetune is not None and d.finetune.quantized:
         ops = [_dequantized(op, d.finetune, w) for op in ops]
     return tuple(_with_sac(ops, w))

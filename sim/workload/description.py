@@ -1,6 +1,6 @@
 """A model described by its measured ops: what ``hfmodel`` extracts from a Hugging Face config.
 
-The description (JSON, ``version`` 3) is written on the torch side (``hfmodel.describe``) and read
+The description (JSON, ``version`` 4) is written on the torch side (``hfmodel.describe``) and read
 here without torch. It holds:
 - ``params``: every parameter as ``transformers`` builds it on the meta device (name, shape,
   registration order, a tied weight once), and ``buffer_bytes`` (module buffers, unsharded);
@@ -30,8 +30,9 @@ from sim.workload.finetune import FinetuneFacts, finetuned_params
 from sim.workload.params import ParamSpec
 
 # 3: encoder-decoders (``measured.decoder_seq_len``; attention calls' ``kv_seq_len``, ``dropout``,
-# ``bias``, ``bias_grad``) and tied parameters' later users (``reuses``)
-DESCRIPTION_VERSION = 3
+# ``bias``, ``bias_grad``) and tied parameters' later users (``reuses``); 4: attention calls'
+# ``softcap`` (a version 3 file of Gemma 2 would read as uncapped)
+DESCRIPTION_VERSION = 4
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -51,6 +52,7 @@ class AttentionCall:
     dropout: float = 0.0  # attention dropout probability
     bias: bool = False  # an additive float bias on the scores (T5's relative position bias)
     bias_grad: bool = False  # the bias needs a gradient (learned, not T5's zero cross-attention bias)
+    softcap: bool = False  # the scores are tanh soft-capped (Gemma 2's ``attn_logit_softcapping``)
     output_counted: bool = True  # the model's ops already save the output (a projection keeps it)
     extra_saved_bytes: int = 0  # saving q, k, v keeps the rest of the storages they view
 
@@ -164,6 +166,7 @@ def _op(raw: Any, where: str) -> DescribedOp:
             dropout=float(att.get("dropout", 0.0)),
             bias=bool(att.get("bias", False)),
             bias_grad=bool(att.get("bias_grad", False)),
+            softcap=bool(att.get("softcap", False)),
             output_counted=a.get("output_counted", bool),
             extra_saved_bytes=a.get("extra_saved_bytes", int),
         )

@@ -8,7 +8,8 @@ Activation bytes follow what HF ``LlamaForCausalLM`` saves for backward in eager
 - Rotary embedding: the cos and sin tables (seq * head_dim * a each), once per forward.
 - Attention: RoPE'd q and k, v and the output (a*(2*q_dim + 2*kv_dim)) plus the fp32 log-sum-exp
   (4*n_heads) with flash/memory-efficient kernels; the math path adds the fp32 softmax and its
-  cast (n_heads*seq*(4 + a)) — Korthikanti et al. 2022, "Reducing Activation Recomputation", Sec. 4.
+  cast (n_heads*seq*(4 + a)) — Korthikanti et al. 2022, "Reducing Activation Recomputation", Sec. 4;
+  a model's own eager attention what ``sim.workload.eager_attention`` lists, op by op.
 - SwiGLU MLP: gate output, SiLU output, up output and their product (4*a*ffn).
 - Loss: the fp32 log-softmax (4*vocab) and the shifted int64 labels. The logits are not saved;
   they live only while the loss is computed (a training loop that keeps ``outputs.logits``
@@ -39,6 +40,7 @@ from enum import StrEnum
 from functools import cache, cached_property
 
 from sim.dtypes import INDEX_BYTES
+from sim.workload.eager_attention import eager_score_bytes
 from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
 from sim.workload.options import LossKernel
 
@@ -75,6 +77,10 @@ class AttentionShape:
     dropout: float = 0.0  # attention dropout probability (T5 trains with dropout_rate 0.1)
     bias: bool = False  # an additive float bias masks the scores (T5's relative position bias)
     bias_grad: bool = False  # the bias is learned: its gradient flows back (not T5's cross-attention)
+    softcap: bool = False  # tanh soft-capping of the scores (Gemma 2's ``attn_logit_softcapping``)
+    # the model's additive float masks alive while it runs (eager attention: one per pattern,
+    # full and sliding, batch × queries × keys in the activation dtype; fused kernels take none)
+    float_masks: int = 0
 
     @property
     def kv_len(self) -> int:
@@ -257,18 +263,24 @@ def _math_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tup
 
 
 def _eager_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tuple[int, int, int]:
-    """(saved, forward transient, backward transient bytes) of a model's eager attention (HF's
-    ``eager_attention_forward``: q·kᵀ in the activation dtype, softmax in fp32 cast back, then the
-    matmul with v): q, k, v and the output in the activation dtype, the fp32 softmax and its cast;
-    the fp32 scores while they are computed, twice that in backward."""
+    """(saved, forward transient, backward transient bytes) of a model's eager attention, op by op
+    (``sim.workload.eager_attention``): q; k and v as ``repeat_kv`` copies them to every query
+    head (the matmuls keep the copies); the s² tensors per score. Beside them in forward the
+    ``@ v`` matmul's output before its ``transpose().contiguous()`` copy, and the model's float
+    masks, alive through the whole forward; in backward, the output's gradient made contiguous
+    and the copied values' gradient with the probabilities' (the first step), or the s² peak."""
     t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
-    a = w.act_bytes
-    q_dim = shape.heads * shape.head_dim
-    kv_dim = shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
-    out_dim = shape.heads * (shape.v_head_dim or shape.head_dim)
+    a, dv = w.act_bytes, shape.v_head_dim or shape.head_dim
     scores = t * shape.heads * shape.kv_len
-    saved = t * a * (q_dim + (out_dim if output_saved else 0)) + t_kv * a * kv_dim
-    return saved + scores * (FP32_BYTES + a), scores * FP32_BYTES, 2 * scores * FP32_BYTES
+    out = t * shape.heads * dv * a
+    per = eager_score_bytes(a, softcap=shape.softcap, dropout=shape.dropout > 0)
+    saved = t * shape.heads * shape.head_dim * a + t_kv * shape.heads * (shape.head_dim + dv) * a
+    saved += scores * per.saved + (out if output_saved else 0)
+    masks = shape.float_masks * t * shape.kv_len * a
+    # with as many key/value heads as query heads the values' gradient is the model's (the probe's)
+    repeated_v_grad = t_kv * shape.heads * dv * a if shape.kv_heads < shape.heads else 0
+    backward = max(scores * per.backward_peak, scores * per.av_backward + out + repeated_v_grad)
+    return saved, max(scores * per.forward_peak, out) + masks, backward
 
 
 def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
@@ -291,7 +303,8 @@ def attention_kernel_figures(
     A fused kernel (flash, memory-efficient, cuDNN) keeps q, k, v, its output and the fp32
     log-sum-exp, and its backward an fp32 dq accumulator; causal masking halves its FLOPs and a
     sliding window skips the pairs outside it; its dropout keeps a random seed, not a mask. The
-    math path keeps fp32 copies and the s² softmax (``_math_figures``). ``output_saved=False``
+    math path keeps fp32 copies and the s² softmax (``_math_figures``), a model's eager attention
+    its s² tensors op by op (``_eager_figures``). ``output_saved=False``
     when the output is counted elsewhere (a described model measures it at the output
     projection). Queries and keys count the call's own tokens: an encoder-decoder's decoder
     attends over ``decoder_seq_len`` queries, its cross-attention over the encoder's ``seq_len`` keys.
@@ -331,6 +344,7 @@ def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         heads=cfg.n_heads,
         kv_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim,
+        float_masks=1,  # HF's eager path builds one causal mask (SDPA's and flash's take none)
     )
     flops, saved, fwd_transient, bwd_transient = attention_kernel_figures(shape, w)
     return LayerOp(
