@@ -200,6 +200,7 @@ def _trace(
         step_inputs = _inputs(cfg, batch, seq, decoder_seq or seq)
         with tracer, HostCalls(owners, tracer), SavedBytes(tracer).hooks:
             loss = model(**step_inputs).loss
+            tracer.watch_parameter_grads(loss.grad_fn)
             tracer.backward = True
             loss.backward()
         grads = {tracer_key(p.grad) for p in params if p.grad is not None}

@@ -12,7 +12,9 @@ forward is running), or by the attention probe (``hfmodel.probe``). For each op:
   and autograd does not keep (e.g. the logits, consumed by the loss);
 - ``backward_transient_bytes``: the most alive during the op's backward (the autograd node being
   run, ``torch._C._current_autograd_node``) of what the backward created, parameter gradients
-  excepted;
+  excepted, and so are the partial gradients of a parameter several ops use (a tied embedding
+  and head): autograd holds them until the last use's gradient arrives and sums them into the
+  parameter's, which the schedule counts from the first of them on;
 - ``host_ops``: Python-level torch calls of its forward (``TorchFunctionMode``), the eager
   dispatches a GPU host pays.
 """
@@ -161,6 +163,39 @@ class Tracer(TorchDispatchMode):
         self.saved: set[int] = set()  # uids autograd keeps
         self.probe_owner: str | None = None
         self._last_op = 0
+        # AccumulateGrad node of a parameter -> the nodes whose gradient flows into it; and the
+        # storages those gradients were, with the AccumulateGrad they went to
+        self.param_users: dict[Any, int] = {}
+        self.param_grads: list[tuple[int, Any]] = []
+
+    def watch_parameter_grads(self, root: Any) -> None:
+        """Before backward: find every autograd node that hands a gradient to a parameter (an edge
+        to its ``AccumulateGrad``) in the graph under ``root``, and note those gradients' storages."""
+        seen, stack = set(), [root]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            edges = [(i, nxt) for i, (nxt, _) in enumerate(node.next_functions) if hasattr(nxt, "variable")]
+            for _, acc in edges:
+                self.param_users[acc] = self.param_users.get(acc, 0) + 1
+            if edges:
+                node.register_hook(self._grads_hook(edges))
+            stack += [nxt for nxt, _ in node.next_functions]
+
+    def _grads_hook(self, edges: list[tuple[int, Any]]) -> Callable[..., None]:
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+            for i, acc in edges:
+                uid = None if grad_inputs[i] is None else self.uid_of(grad_inputs[i])
+                if uid is not None:
+                    self.param_grads.append((uid, acc))
+
+        return hook
+
+    def shared_parameter_grads(self) -> set[int]:
+        """Storages that were partial gradients of a parameter several ops use."""
+        return {uid for uid, acc in self.param_grads if self.param_users.get(acc, 0) > 1}
 
     # -- which op an aten call belongs to ----------------------------------------------------
 
@@ -290,8 +325,11 @@ def finish(tracer: Tracer, param_grad_keys: set[int]) -> None:
     tracer._sweep()
     steps = tracer.step
     forward_events, backward_events = [], []
+    shared_grads = tracer.shared_parameter_grads()
     for uid, nbytes, created, died, op, in_backward in tracer.storages:
         end = steps + 1 if died is None else died
+        if in_backward and uid in shared_grads:
+            continue
         if not in_backward and uid in tracer.saved:
             tracer.ops[op].saved_bytes += nbytes
         elif not in_backward:

@@ -111,6 +111,27 @@ def test_experts_compute_for_the_active_ones_and_shard_all_of_them() -> None:
     assert matmul_params(model) < n_params(model) - 2 * expert_params // 2
 
 
+def test_a_tied_heads_gradient_is_not_every_later_ops_transient(tmp_path: Path) -> None:
+    """The head's share of a tied embedding's gradient waits in autograd until the embedding's
+    arrives: it is the parameter's gradient (the schedule holds it from the head's backward on),
+    so no op's backward transient counts it again. Every op but the head measures as in the same
+    model untied (the head's lm_head weight gradient is 1024 x 128 bf16 either way)."""
+    config = json.loads((DATA / "tiny-qwen2.json").read_text())
+    (tmp_path / "untied.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    tied, untied = (_describe(p) for p in (DATA / "tiny-qwen2.json", tmp_path / "untied.json"))
+    assert tied.description is not None and untied.description is not None
+
+    def figures(m: ModelConfig) -> dict[str, tuple[int, int, int]]:
+        assert m.description is not None
+        return {
+            op.name: (op.saved_bytes, op.forward_transient_bytes, op.backward_transient_bytes)
+            for op in m.description.ops
+        }
+
+    assert figures(tied) == figures(untied)
+    assert len(tied.description.params) == len(untied.description.params) - 1  # lm_head.weight
+
+
 def _scenario(tmp_path: Path, model_lines: str, extra: str = "") -> Path:
     path = tmp_path / "s.toml"
     path.write_text(
