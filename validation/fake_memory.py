@@ -12,7 +12,9 @@ of the same scenario: identical bytes in every tracker category):
   wrapped by ``validation.build.wrap`` and given ``AdamW(foreach=True)``;
 - one untracked step (creates the optimizer state), then ``FSDPMemTracker`` around one more step
   (``validation.worker.Trainer.step``: forward, backward, ``optimizer.step()``,
-  ``zero_grad(set_to_none=True)``).
+  ``zero_grad(set_to_none=True)``), its module tracking keeping no gradient alive
+  (``validation.tracker_hooks``: PyTorch's own holds a module's input gradients until all of
+  them are computed, which the step without the tracker does not).
 Kernels are the CPU ones (attention, loss); which attention kernel ran, and whether it was given
 ``is_causal`` or an explicit mask, is recorded in ``kernels``.
 The attention mask is decided as in the real run (``one_sequence_per_row``): transformers counts a
@@ -45,6 +47,7 @@ from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.workload.options import FinetuneMethod, Strategy
 from validation.build import build_model, wrap
+from validation.tracker_hooks import module_tracking_holds_no_gradients
 from validation.worker import TRACKER_CATEGORIES, Trainer, _mesh
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
@@ -337,7 +340,7 @@ def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dic
     # FSDPMemTracker refuses a module's second forward in one tracked step; its module
     # statistics are reset between micro-batches (the peak is kept)
     trainer.after_microbatch = tracker.reset_mod_stats  # type: ignore[method-assign]
-    with tracker:
+    with module_tracking_holds_no_gradients(), tracker:
         trainer.step(1)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     raw = {_name(name): int(value) for name, value in snapshot.items()}
