@@ -16,6 +16,8 @@ from sim.errors import UserError
 from sim.hardware.registry import load_profile
 from sim.hardware.schema import SCHEMA_VERSION
 
+pytestmark = pytest.mark.slow  # real torch.distributed processes
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--max-bytes", "64K", "--iters", "3", "--max-iters", "5", "--warmup", "1"]
 

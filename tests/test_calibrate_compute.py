@@ -22,6 +22,8 @@ from sim.hardware.registry import load_profile
 from sim.scenario.loader import load_scenario
 from sim.workload.model import PRESETS
 
+pytestmark = pytest.mark.slow  # real torch.distributed processes
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "scenarios" / "tiny.toml"
 CPU = torch.device("cpu")

@@ -24,6 +24,8 @@ from sim.workload.described import described_layer_ops
 from sim.workload.layers import CalibrationGroup, LayerKind, Workload
 from sim.workload.options import OptimizerName
 
+pytestmark = pytest.mark.slow  # real torch.distributed processes
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "hf"
 CPU = torch.device("cpu")

@@ -29,6 +29,8 @@ from validation.fake_memory import (
     one_sequence_per_row,
 )
 
+pytestmark = pytest.mark.slow  # real torch.distributed processes
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "scenarios" / "tiny.toml")
 TIMEOUT_S = 180.0
