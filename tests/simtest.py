@@ -1,6 +1,7 @@
 """Shared builders for simulator tests: scenarios from dicts and profiles with chosen numbers."""
 
 import copy
+import os
 from typing import Any
 
 from sim.hardware.builtin import BUILTIN_PROFILES
@@ -110,4 +111,12 @@ def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, fact
         "host_overhead_in_step": False,
         # the profile's own figure, so that only the unit times differ from the analytic run
         "compute_slowdown_during_collective": profile.compute_slowdown_during_collective,
+    }
+
+
+def outside_rank_env() -> dict[str, str]:
+    """This process's environment without a rank's torch.distributed variables, so that a command
+    started from a test launches its own ranks, as a user's shell would."""
+    return {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
     }

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from simtest import outside_rank_env
 
 from calibrate.cli import main
 from calibrate.groups import plan_group_families
@@ -24,9 +25,7 @@ SMALL = ["--max-bytes", "64K", "--iters", "3", "--max-iters", "5", "--warmup", "
 
 def run_calibrate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``python -m calibrate ...`` in a fresh process, as a user runs it."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
+    env = outside_rank_env()
     return subprocess.run(
         [sys.executable, "-m", "calibrate", *args],
         cwd=ROOT,
@@ -165,9 +164,7 @@ def test_sizes_use_binary_units_like_nccl_tests(text: str, value: int) -> None:
 
 
 def _torchrun(nproc: int, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
+    env = outside_rank_env()
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += ["-m", "calibrate", "comm", "--out", str(out), *extra]

@@ -2,7 +2,6 @@
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from simtest import outside_rank_env
 
 from calibrate.compute import ComputeTarget
 from calibrate.memtrack import SavedTensorBytes, peak_above_start
@@ -30,9 +30,7 @@ CPU = torch.device("cpu")
 
 
 def run_calibrate(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
+    env = outside_rank_env()
     cmd = [sys.executable, "-m", "calibrate", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 

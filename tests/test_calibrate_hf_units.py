@@ -4,7 +4,6 @@ and refused for any other model."""
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from simtest import outside_rank_env
 
 from calibrate import hf_units
 from calibrate.compute import ComputeTarget
@@ -90,9 +90,7 @@ def test_the_units_are_the_models_own_one_block_per_kind(
 
 
 def run_calibrate(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
+    env = outside_rank_env()
     cmd = [sys.executable, "-m", "calibrate", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

@@ -7,12 +7,12 @@ ZeRO-3 bf16, which starts ``deepspeed.initialize`` with the scenario's own DeepS
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from simtest import outside_rank_env
 
 from sim.core.events import OpKind
 from sim.errors import UserError
@@ -36,9 +36,7 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = dict(BUILTIN_PROFILES["h100-sxm"], name="cpu-ds-test")  # its device section is kept
     path.write_text(json.dumps(base))
     sets = [a for o in ZERO3 for a in ("--set", o)]
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
+    env = outside_rank_env()
     cmd = [sys.executable, "-m", "calibrate", "compute", str(TINY), *sets, "--profile", str(path)]
     cmd += ["--nproc", "2", "--reps", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

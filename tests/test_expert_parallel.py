@@ -2,12 +2,12 @@
 the token all-to-all in forward and backward, the experts' FSDP2 group of world / E ranks, the
 all-to-all's cost model and its calibration through torch.distributed (2 gloo processes)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from simtest import outside_rank_env
 
 from sim.core.events import OpKind, Stream
 from sim.core.topology import GroupKind
@@ -207,9 +207,7 @@ def test_calibrate_comm_measures_the_all_to_all_through_torch_distributed(tmp_pa
     """Two gloo processes: ``all_to_all_single`` timed and checked element by element; the
     simulator then prices its all-to-alls from the measured curve."""
     out = tmp_path / "a2a.json"
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
+    env = outside_rank_env()
     args = ["--max-bytes", "16K", "--iters", "3", "--max-iters", "3", "--warmup", "1", "--dtypes", "bf16"]
     proc = subprocess.run(
         [sys.executable, "-m", "calibrate", "comm", "--nproc", "2", "--out", str(out), *args]
