@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from calibrate.compute import ComputeTarget
-from calibrate.overheads import OPTIMIZER_ELEMENTS
+from calibrate.overheads import OPTIMIZER_ELEMENTS, leading_shapes
 from calibrate.sweep import TORCH_DTYPES
 from calibrate.unit_timing import synced_now
 from sim.workload.model import param_specs
@@ -48,18 +48,6 @@ class _Parameters(torch.nn.Module):
 
     def forward(self, scale: torch.Tensor) -> torch.Tensor:
         return sum((w.float().sum() for w in self.weights), torch.zeros(())) * scale
-
-
-def _shapes(target: ComputeTarget, world: int) -> list[tuple[int, ...]]:
-    chosen: list[tuple[int, ...]] = []
-    total = 0
-    for spec in param_specs(target.model):
-        n = math.prod(spec.shape)
-        if chosen and total + n > OPTIMIZER_ELEMENTS * world:
-            break
-        chosen.append(tuple(spec.shape))
-        total += n
-    return chosen
 
 
 def blocked_s(records: list[tuple[str, float, float, int]], t0: float, t1: float) -> float:
@@ -82,46 +70,61 @@ def _partition_numel(optimizer: Any) -> int:
     return sum(int(t.numel()) for t in groups)
 
 
+def without_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce at start-up (about 40 s on a
+    fresh machine) that only ``inference_all_reduce`` (AutoTP inference) calls; ZeRO's collectives
+    go through torch.distributed, so the step run is the same without it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _engine(module: torch.nn.Module, config: Mapping[str, Any]) -> tuple[Any, Any]:
+    """``deepspeed.initialize`` of ``module`` under ``config`` at one sample per rank and step, on
+    the calibration's process group: (engine, its ZeRO optimizer)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    without_shm_comm_build()
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    world = dist.get_world_size()
+    ds_config = dict(config) | {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+    }
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=module, model_parameters=module.parameters(), config=ds_config
+    )
+    return engine, optimizer
+
+
 def step_s_per_param(
     target: ComputeTarget, config: Mapping[str, Any], device: torch.device, reps: int
 ) -> dict[str, float]:
     """Seconds per element of this rank's partition of one ``engine.step()`` under ``config`` (a
     DeepSpeed config, ``sim.scenario.deepspeed_config``), its collectives left out, and the
     raw figures it came from."""
-    import deepspeed
-    import deepspeed.ops
     import torch.distributed as dist
 
     from calibrate.collective_timer import timed_collectives, timed_waits
 
-    # as validation.build_deepspeed: no shared-memory all-reduce build (AutoTP inference only)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
-    world = dist.get_world_size()
-    shapes = _shapes(target, world)
-    ds_config = dict(config) | {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": world,
-    }
+    whole = [tuple(s.shape) for s in param_specs(target.model)]
+    shapes = leading_shapes(whole, OPTIMIZER_ELEMENTS * dist.get_world_size())
     records: list[tuple[str, float, float, int]] = []
     step_s: list[float] = []
     # the wrappers are in place before the engine exists (DeepSpeed keeps its all-gather function);
     # it issues most collectives with async_op=True, so the host blocks in Work.wait
     with timed_collectives(records), timed_waits(records):
-        module = _Parameters(shapes)
-        engine, optimizer, _, _ = deepspeed.initialize(
-            model=module, model_parameters=module.parameters(), config=ds_config
-        )
+        engine, optimizer = _engine(_Parameters(shapes), config)
         scale = torch.ones((), device=device)
         for rep in range(WARMUP_STEPS + max(reps, 5)):
             engine.backward(engine(scale))
             t0 = synced_now(device)
             engine.step()
             t1 = synced_now(device)
-            comm = blocked_s(records, t0, t1)
             if rep >= WARMUP_STEPS:
-                step_s.append(t1 - t0 - comm)
+                step_s.append(t1 - t0 - blocked_s(records, t0, t1))
     partition = _partition_numel(optimizer)
     engine.destroy()
     mean_s = statistics.fmean(step_s)
@@ -160,55 +163,34 @@ def layer_overhead(
     ZeRO-3, its gradient hooks and bucket bookkeeping under ZeRO-1/2) beyond the collectives and
     the copies the schedules charge: ``CHAIN`` layers of the scenario's dimensions on ``TINY_SEQ``
     tokens through the engine, against the same layers plain, interleaved (raw: before the floor)."""
-    import deepspeed
-    import deepspeed.ops
     import torch.distributed as dist
 
     from calibrate.collective_timer import timed_collectives, timed_waits
-    from calibrate.fsdp_overhead import CHAIN, TINY_SEQ, _chain
+    from calibrate.fsdp_overhead import CHAIN, TINY_SEQ, _chain, _step
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
-    world = dist.get_world_size()
     compute = TORCH_DTYPES[target.param_dtype]
     plain = _chain(target, device, compute)
-    ds_config = dict(config) | {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": world,
-    }
     records: list[tuple[str, float, float, int]] = []
     samples: dict[str, list[tuple[float, float]]] = {"plain": [], "deepspeed": []}
     hidden = target.model.hidden
-
     with timed_collectives(records), timed_waits(records):
-        module = _ChainLoss(_chain(target, device, compute))  # as the engine would cast it
-        engine, _, _, _ = deepspeed.initialize(
-            model=module, model_parameters=module.parameters(), config=ds_config
-        )
+        engine, _ = _engine(_ChainLoss(_chain(target, device, compute)), config)  # cast as the engine would
         for rep in range(WARMUP_STEPS + max(reps, 10)):
+            plain_s = _step(plain, hidden, device, compute)  # no collectives: the layers alone
             x = torch.randn(1, TINY_SEQ, hidden, device=device, dtype=compute, requires_grad=True)
             t0 = synced_now(device)
-            loss = plain(x).float().sum()
+            loss = engine(x)
             t1 = synced_now(device)
-            loss.backward()
-            t2 = synced_now(device)
-            for p in plain.parameters():
-                p.grad = None
-            y = x.detach().requires_grad_(True)
-            t3 = synced_now(device)
-            loss = engine(y)
-            t4 = synced_now(device)
             engine.backward(loss)
-            t5 = synced_now(device)
+            t2 = synced_now(device)
             engine.step()  # not timed: DeepSpeed needs it before the next backward
             if rep >= WARMUP_STEPS:
-                samples["plain"].append((t1 - t0, t2 - t1))
+                samples["plain"].append(plain_s)
                 samples["deepspeed"].append(
-                    (t4 - t3 - blocked_s(records, t3, t4), t5 - t4 - blocked_s(records, t4, t5))
+                    (t1 - t0 - blocked_s(records, t0, t1), t2 - t1 - blocked_s(records, t1, t2))
                 )
     engine.destroy()
-    copies = _copy_bytes(target, config, world)
+    copies = _copy_bytes(target, config, dist.get_world_size())
     out = {}
     for index, phase in enumerate(("forward", "backward")):
         extra = statistics.fmean(s[index] for s in samples["deepspeed"]) - statistics.fmean(

@@ -80,12 +80,18 @@ def copy_rates(target: ComputeTarget, device: torch.device, reps: int) -> dict[s
 def optimizer_shard_shapes(target: ComputeTarget) -> list[tuple[int, ...]]:
     """The scenario's parameter shards in model order, up to ``OPTIMIZER_ELEMENTS`` elements."""
     w = target.world_size
+    return leading_shapes(
+        [(math.ceil(s.shape[0] / w), *s.shape[1:]) for s in param_specs(target.model)], OPTIMIZER_ELEMENTS
+    )
+
+
+def leading_shapes(shapes: list[tuple[int, ...]], limit: int) -> list[tuple[int, ...]]:
+    """The first of ``shapes`` whose elements stay within ``limit`` (at least one)."""
     chosen: list[tuple[int, ...]] = []
     total = 0
-    for spec in param_specs(target.model):
-        shape = (math.ceil(spec.shape[0] / w), *spec.shape[1:])
+    for shape in shapes:
         n = math.prod(shape)
-        if chosen and total + n > OPTIMIZER_ELEMENTS:
+        if chosen and total + n > limit:
             break
         chosen.append(shape)
         total += n

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from calibrate.deepspeed_overhead import without_shm_comm_build
 from calibrate.unit_timing import synced_now
 from sim.scenario.deepspeed_config import deepspeed_config
 from sim.scenario.sections import Scenario
@@ -22,14 +23,10 @@ class DeepSpeedTrainer:
 
     def __init__(self, scenario: Scenario):
         import deepspeed
-        import deepspeed.ops
         import torch.distributed as dist
 
         if not torch.cuda.is_available():
-            # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce at start-up (about 40 s
-            # on a fresh machine) that only `inference_all_reduce` (AutoTP inference) calls; ZeRO's
-            # collectives go through torch.distributed, so the step run is the same without it.
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+            without_shm_comm_build()
         deepspeed.init_distributed(dist_backend=dist.get_backend())
         self.scenario = scenario
         self.rank = dist.get_rank()

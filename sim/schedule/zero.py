@@ -54,6 +54,8 @@ class Zero12ScheduleBuilder(ScheduleBuilder):
         self.zero = cfg.zero
         self.n = cfg.world_size
         self.flat = flat_padded_numel(cfg)
+        # the first decoder layer's parameters: what one layer's measured hook time covers
+        self.layer_params = sum(len(s.params) for s in cfg.segments if s.block == 0)
         self.bucket = Bucket()
         self.buffer_index = 0
         self.buffer_free: dict[int, int] = {}  # double buffer index -> the all-reduce that last read it
@@ -128,10 +130,9 @@ class Zero12ScheduleBuilder(ScheduleBuilder):
         over the layer's parameters; zero unless the host is the device."""
         costs, seg = self.cfg.costs, self.cfg.segments[i]
         per_layer_s = costs.deepspeed_layer_forward_s if forward else costs.deepspeed_layer_backward_s
-        layer_params = sum(len(s.params) for s in self.cfg.segments if s.block == 0)
-        if per_layer_s > 0 and seg.params and layer_params:
+        if per_layer_s > 0 and seg.params and self.layer_params:
             name = f"deepspeed hooks {seg.params[0].name.rsplit('.', 1)[0]}"  # the module hooked
-            self.compute(OpKind.HOST, name, seg.unit, mb, per_layer_s * len(seg.params) / layer_params)
+            self.compute(OpKind.HOST, name, seg.unit, mb, per_layer_s * len(seg.params) / self.layer_params)
 
     def _add_to_bucket(self, p: ParamSpec, unit: str, mb: int, after: int) -> None:
         cfg = self.cfg
