@@ -102,9 +102,8 @@ def _averaged(measured: dict[str, UnitMeasurement], extra: dict[str, Any], devic
     # the floor at zero after the mean over ranks, not before: one rank's negative raw figure
     # (noise on a loaded host) must not lift the mean of the floored ones above the floored mean
     for key in ("fsdp_unit_overhead", "deepspeed_layer"):
-        for phase in ("forward", "backward"):
-            if key in avg:
-                avg[key][f"{phase}_s"] = max(0.0, avg[key][f"{phase}_raw_s"])
+        for phase in ("forward", "backward") if key in avg else ():
+            avg[key][f"{phase}_s"] = max(0.0, avg[key][f"{phase}_raw_s"])
     return avg
 
 
@@ -204,9 +203,9 @@ def _source(
             },
             "deepspeed_layer": avg["deepspeed_layer"]
             | {
-                "method": "4 decoder layers of the scenario's dimensions on 8 tokens through deepspeed.initialize "
-                "with the scenario's config against the same layers plain, interleaved, less the engine's "
-                "blocking collectives, over 4, less the copies the ZeRO schedules charge; floored at 0"
+                "method": f"{CHAIN} decoder layers of the scenario's dimensions on {TINY_SEQ} tokens through "
+                "deepspeed.initialize with the scenario's config against the same layers plain, interleaved, less the engine's "
+                f"blocking collectives, over {CHAIN}, less the copies the ZeRO schedules charge; floored at 0"
             },
         }
         if "deepspeed_step" in avg
