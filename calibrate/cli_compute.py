@@ -25,7 +25,7 @@ def target_from_args(args: argparse.Namespace, ranks: int) -> ComputeTarget:
         from sim.scenario.loader import load_scenario
 
         sc = load_scenario(args.scenario, args.overrides)
-        return ComputeTarget(
+        target = ComputeTarget(
             model=sc.model,
             micro_batch=sc.training.micro_batch,
             seq_len=sc.training.seq_len,
@@ -33,6 +33,8 @@ def target_from_args(args: argparse.Namespace, ranks: int) -> ComputeTarget:
             world_size=sc.parallel.world_size,
             deepspeed_config=deepspeed_config(sc) if sc.deepspeed.enabled else None,
         )
+        target.check_measurable()
+        return target
     if args.model is None or args.micro_batch is None or args.seq_len is None:
         raise UserError("calibrate compute needs a scenario file, or --model, --micro-batch and --seq-len")
     if args.micro_batch < 1 or args.seq_len < 2:

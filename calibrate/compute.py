@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sim.errors import UserError
 from sim.hardware.compute_section import (
     MODEL_FIELDS,
     ComputeSection,
@@ -12,6 +13,7 @@ from sim.hardware.compute_section import (
     MeasuredDims,
     UnitMeasurement,
 )
+from sim.workload.description import finetune_fingerprint
 from sim.workload.model import ModelConfig, layer_params
 
 
@@ -39,14 +41,43 @@ class ComputeTarget:
         d = self.model.description
         if d is None:
             return None
-        return DescribedModelKey(name=d.name, architecture=d.architecture, config_sha256=d.config_sha256)
+        return DescribedModelKey(
+            name=d.name,
+            architecture=d.architecture,
+            config_sha256=d.config_sha256,
+            finetune=finetune_fingerprint(d.finetune),
+        )
 
-    def block_param_shapes(self) -> list[tuple[int, ...]]:
-        """The parameter shapes of the first decoder block (a described model's own)."""
+    @property
+    def finetuned(self) -> bool:
+        """A described model trained with LoRA (its base frozen)."""
+        d = self.model.description
+        return d is not None and d.finetune is not None
+
+    def check_measurable(self) -> None:
+        """Refuse, in one line, a described model this calibration cannot time as it trains."""
+        d = self.model.description
+        if d is None:
+            return
+        qlora = d.finetune is not None and d.finetune.method == "qlora"
+        two_stacks = len({b.rpartition(".")[0] for b in d.blocks}) > 1
+        if qlora or two_stacks:
+            # QLoRA: bitsandbytes' 4-bit kernels are not what this host would run; measured on a
+            # compute-dtype base, the scales would cancel the modelled dequantization
+            what = "fine-tuned with QLoRA" if qlora else "an encoder-decoder (two stacks)"
+            raise UserError(
+                f"calibrate compute: model {d.name} is {what}; it is timed by the kernel model only "
+                "(use a profile without a compute section)"
+            )
+
+    def block_param_shapes(self, *, trainable_only: bool = False) -> list[tuple[int, ...]]:
+        """The parameter shapes of the first decoder block (a described model's own; under LoRA
+        with ``trainable_only``, its adapters')."""
         d = self.model.description
         if d is None:
             return [s.shape for s in layer_params(self.model, 0)]
-        return [s.shape for s in d.params if s.name.startswith(d.blocks[0] + ".")]
+        inside = [s for s in d.params if s.name.startswith(d.blocks[0] + ".")]
+        return [s.shape for s in inside if s.trainable or not trainable_only]
 
 
 def compute_section(

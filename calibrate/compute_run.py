@@ -63,8 +63,9 @@ def _measure(
     copy_Bps = extra["copy"]["copy_Bps"]
     extra |= {
         "fsdp_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, copy_Bps),
-        "fsdp1_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, copy_Bps, version=1),
     }
+    if not target.finetuned:  # FSDP1 trains LoRA models only with use_orig_params: not modelled
+        extra["fsdp1_unit_overhead"] = fsdp_overhead.unit_overhead(target, device, reps, copy_Bps, version=1)
     if target.deepspeed_config is not None and device.type == "cpu":
         from calibrate import deepspeed_overhead
 
@@ -90,8 +91,9 @@ def _averaged(measured: dict[str, UnitMeasurement], extra: dict[str, Any], devic
     flat.update(
         fsdp_optimizer=extra["fsdp_optimizer_s_per_param"],
         fsdp_unit_overhead=extra["fsdp_unit_overhead"],
-        fsdp1_unit_overhead=extra["fsdp1_unit_overhead"],
     )
+    if "fsdp1_unit_overhead" in extra:
+        flat["fsdp1_unit_overhead"] = extra["fsdp1_unit_overhead"]
     if "deepspeed_step" in extra:
         flat["deepspeed_step"] = extra["deepspeed_step"]
         flat["deepspeed_layer"] = extra["deepspeed_layer"]
@@ -130,7 +132,11 @@ def _section(
         optimizer_s_per_param=avg["optimizer"],
         fsdp_optimizer_s_per_param=avg["fsdp_optimizer"],
         fsdp_unit_overhead_s={k: avg["fsdp_unit_overhead"][f"{k}_s"] for k in ("forward", "backward")},
-        fsdp1_unit_overhead_s={k: avg["fsdp1_unit_overhead"][f"{k}_s"] for k in ("forward", "backward")},
+        fsdp1_unit_overhead_s=(
+            {k: avg["fsdp1_unit_overhead"][f"{k}_s"] for k in ("forward", "backward")}
+            if "fsdp1_unit_overhead" in avg
+            else None
+        ),
         host_overhead_in_step=device.type == "cpu",
         slowdown=max(1.0, avg["slowdown"]),
         block_units=block_units,

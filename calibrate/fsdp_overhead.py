@@ -101,19 +101,25 @@ def _chain(target: ComputeTarget, device: torch.device, dtype: torch.dtype) -> "
     return BlockChain(target, device, dtype, count=CHAIN, batch=1, seq_len=TINY_SEQ)
 
 
-def _copy_bytes(shapes: list[tuple[int, ...]], world: int, param_bytes: int) -> tuple[int, int]:
+def _padded(shapes: list[tuple[int, ...]], world: int) -> int:
+    return sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) for s in shapes)
+
+
+def _copy_bytes(target: ComputeTarget, world: int, param_bytes: int) -> tuple[int, int]:
     """Bytes of the copies the simulator charges one layer (``sim.schedule.fsdp2``) in forward and
-    in backward (fp32 shards, fp32 reduction, resharded after forward)."""
-    padded = sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) for s in shapes)
+    in backward (fp32 shards, fp32 reduction, resharded after forward; under LoRA only the
+    adapters have gradients to reduce-scatter)."""
+    padded = _padded(target.block_param_shapes(), world)
     all_gather = padded // world * max(param_bytes, 4) + padded * param_bytes  # copy-in + copy-out
-    return all_gather, all_gather + padded * max(param_bytes, 4)  # + reduce-scatter copy-in
+    with_grads = _padded(target.block_param_shapes(trainable_only=True), world)
+    return all_gather, all_gather + with_grads * max(param_bytes, 4)  # + reduce-scatter copy-in
 
 
-def _fsdp1_copy_bytes(shapes: list[tuple[int, ...]], world: int, param_bytes: int) -> tuple[int, int]:
+def _fsdp1_copy_bytes(target: ComputeTarget, world: int, param_bytes: int) -> tuple[int, int]:
     """Bytes of the copies ``sim.schedule.fsdp1`` charges one layer in forward (the cast into the
     low-precision shard) and in backward (the flat gradient's concatenation, the cast to the fp32
     reduce dtype), at the calibration's settings (reduce in fp32, ``use_orig_params=False``)."""
-    flat = sum(math.prod(s) for s in shapes)
+    flat = sum(math.prod(s) for s in target.block_param_shapes())
     padded = math.ceil(flat / world) * world
     forward = padded // world * max(param_bytes, 4) if param_bytes != 4 else 0
     backward = flat * param_bytes + (flat * 4 if param_bytes != 4 else 0)
@@ -173,7 +179,7 @@ def unit_overhead(
                 samples[name].append(times)
     world = dist.get_world_size() if dist.is_initialized() else 1
     copy_bytes = _copy_bytes if version == 2 else _fsdp1_copy_bytes
-    copies = copy_bytes(target.block_param_shapes(), world, compute.itemsize)
+    copies = copy_bytes(target, world, compute.itemsize)
     out: dict[str, float] = {}
     for index, phase in enumerate(("forward", "backward")):
         extra = statistics.fmean(t[index] for t in samples["fsdp"]) - statistics.fmean(

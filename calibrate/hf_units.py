@@ -16,6 +16,10 @@ hooks, so every unit runs where and as the model runs it (its mask, rotary table
 - ``head``: the rest of the model — in forward all but the embedding and the blocks (the rotary
   tables, the mask, the final norm, the lm_head and the loss), in backward from the step's start
   to the last block's backward pre-hook.
+A LoRA model is the same model with PEFT's LoRA applied as the description applied it (adapters
+in the compute dtype); its first block is a kind of its own, and since its input (from the frozen
+embedding) needs no gradient, its backward is what remains of the step's backward and the
+embedding's is 0. QLoRA and encoder-decoders are refused (``ComputeTarget.check_measurable``).
 Means over ``reps`` steps after one warm-up. Memory is not measured here: a described model's
 saved bytes and transients come from its description (the same saved-tensor hooks, under
 ``FakeTensorMode``), which the memory validation checks.
@@ -25,6 +29,7 @@ import contextlib
 import copy
 import json
 import statistics
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +76,21 @@ def _config(target: ComputeTarget, n_layers: int | None = None) -> Any:
     return hf_config(data)
 
 
+def _lora_settings(target: ComputeTarget) -> dict[str, Any] | None:
+    """The LoRA settings PEFT applies to the measured model (None for full training)."""
+    f = _description(target).finetune
+    if f is None:
+        return None
+    targets = f.target_modules
+    return {
+        "method": f.method,
+        "rank": f.rank,
+        "alpha": f.alpha,
+        "dropout": f.dropout,
+        "target_modules": list(targets) if isinstance(targets, tuple) else targets,
+    }
+
+
 def build_described(target: ComputeTarget, device: torch.device, dtype: torch.dtype) -> DescribedModel:
     """The real model with one decoder block per kind: built up to its last representative (on
     the device, random weights), then its block list cut to the representatives, as
@@ -78,14 +98,19 @@ def build_described(target: ComputeTarget, device: torch.device, dtype: torch.dt
     from hfmodel.build import block_prefixes, build_causal_lm
     from hfmodel.describe import representatives
 
+    lora = _lora_settings(target)
     with torch.device("meta"):
         meta = build_causal_lm(_config(target), dtype)
     blocks = block_prefixes(meta)
-    reps = representatives(meta, blocks)
+    reps = representatives(meta, blocks, first_alone=lora is not None)
     kept = tuple(sorted(set(reps)))
     cfg = _config(target, kept[-1] + 1)
     with torch.device(device):
         model = build_causal_lm(cfg, dtype)
+    if lora is not None:  # PEFT's LoRA as the description traced it: adapters in the base's dtype
+        from hfmodel.finetune import apply_lora
+
+        apply_lora(model, lora, adapters_in_base_dtype=True)
     modules = dict(model.named_modules())
     container_path = blocks[0].rpartition(".")[0]
     parent, _, attr = container_path.rpartition(".")
@@ -147,7 +172,9 @@ def _step_times(dm: DescribedModel, target: ComputeTarget, device: torch.device)
         t0 = synced_now(device)
         loss = dm.model(input_ids=ids, labels=ids).loss
         t1 = synced_now(device)
-        loss.backward()
+        with warnings.catch_warnings():  # a frozen embedding: the fallback handled below
+            warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+            loss.backward()
         t2 = synced_now(device)
     finally:
         for h in handles:
@@ -161,8 +188,22 @@ def _step_times(dm: DescribedModel, target: ComputeTarget, device: torch.device)
     blocks = [f"block.{i}" for i in dm.kept]
     out["head.forward_s"] = t1 - t0 - out["embed.forward_s"] - sum(out[f"{b}.forward_s"] for b in blocks)
     out["head.backward_s"] = min(at[f"{j}.b0"] for j in range(len(dm.kept))) - t1
-    out["embed.backward_s"] = t2 - t1 - out["head.backward_s"] - sum(out[f"{b}.backward_s"] for b in blocks)
+    rest = t2 - t1 - out["head.backward_s"] - sum(out[f"{b}.backward_s"] for b in blocks)
+    if _embedding_trains(dm):
+        out["embed.backward_s"] = rest
+    else:
+        # LoRA freezes the embedding: the first block's input needs no gradient, so its full
+        # backward hook fires with its output's gradient (torch's documented fallback) and its
+        # backward is what remains of the step's; the frozen embedding has none
+        first = f"block.{dm.kept[0]}"
+        out[f"{first}.backward_s"] += rest
+        out["embed.backward_s"] = 0.0
     return out
+
+
+def _embedding_trains(dm: DescribedModel) -> bool:
+    get_embeddings: Any = dm.model.get_input_embeddings
+    return any(p.requires_grad for p in get_embeddings().parameters())
 
 
 def _recompute_times(
@@ -198,16 +239,7 @@ def measure_described(
     target: ComputeTarget, device: torch.device, reps: int
 ) -> tuple[dict[str, float], tuple[str, ...]]:
     """The mean times of every unit (flat ``unit.field`` keys) and the unit of each decoder block."""
-    d = _description(target)
-    stacks = {b.rpartition(".")[0] for b in d.blocks}
-    if d.finetune is not None or len(stacks) > 1:
-        from sim.errors import UserError
-
-        what = "fine-tuned with LoRA/QLoRA" if d.finetune is not None else "an encoder-decoder (two stacks)"
-        raise UserError(
-            f"calibrate compute: model {d.name} is {what}; it is timed by the kernel model only "
-            "(use a profile without a compute section)"
-        )
+    target.check_measurable()
     torch.manual_seed(0)
     dm = build_described(target, device, TORCH_DTYPES[target.param_dtype])
     samples = [_step_times(dm, target, device) for _ in range(reps + 1)][1:]  # the first: a warm-up

@@ -78,11 +78,11 @@ def copy_rates(target: ComputeTarget, device: torch.device, reps: int) -> dict[s
 
 
 def optimizer_shard_shapes(target: ComputeTarget) -> list[tuple[int, ...]]:
-    """The scenario's parameter shards in model order, up to ``OPTIMIZER_ELEMENTS`` elements."""
+    """The scenario's trainable parameter shards (LoRA: the adapters) in model order, up to
+    ``OPTIMIZER_ELEMENTS`` elements."""
     w = target.world_size
-    return leading_shapes(
-        [(math.ceil(s.shape[0] / w), *s.shape[1:]) for s in param_specs(target.model)], OPTIMIZER_ELEMENTS
-    )
+    trained = [s for s in param_specs(target.model) if s.trainable]
+    return leading_shapes([(math.ceil(s.shape[0] / w), *s.shape[1:]) for s in trained], OPTIMIZER_ELEMENTS)
 
 
 def leading_shapes(shapes: list[tuple[int, ...]], limit: int) -> list[tuple[int, ...]]:

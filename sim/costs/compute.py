@@ -23,6 +23,7 @@ from sim.dtypes import dtype_bytes
 from sim.errors import UserError
 from sim.hardware.compute_section import MODEL_FIELDS, ComputeSection, UnitMeasurement
 from sim.hardware.schema import DeviceSpec, HardwareProfile
+from sim.workload.description import finetune_fingerprint
 from sim.workload.forward import layer_ops
 from sim.workload.layers import CalibrationGroup, LayerOp, Workload
 from sim.workload.model import ModelConfig
@@ -327,14 +328,15 @@ def check_same_model(compute: ComputeSection, model: ModelConfig, where: str) ->
     d = model.description
     if measured is None and d is None:
         return
-    if d is not None and d.finetune is not None:
-        raise UserError(
-            f"{where}: its compute section was measured for full training; model {model.name} is fine-tuned "
-            f"with {d.finetune.method} and is timed by the profile's kernel model: use a profile without a "
-            "compute section"
-        )
     if measured is not None and d is not None and measured.config_sha256 == d.config_sha256:
-        return
+        trained = finetune_fingerprint(d.finetune)
+        if measured.finetune == trained:
+            return
+        raise UserError(
+            f"{where}: its compute section was measured on model {measured.name} trained {measured.finetune!r}, "
+            f"not as the scenario trains it ({trained!r}): run `fsdpsim calibrate compute SCENARIO --profile "
+            "PROFILE` for this scenario, or use a profile without a compute section"
+        )
     was = "Llama units" if measured is None else f"model {measured.name} ({measured.architecture})"
     now = f"model {model.name}" + (f" ({d.architecture})" if d is not None else " (Llama)")
     raise UserError(

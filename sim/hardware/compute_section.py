@@ -25,7 +25,8 @@ units (``calibrate.hf_units``): ``units`` then holds ``embed``, ``head`` and one
 kind of decoder block (``i``: the kind's first block), and two more keys say which model and
 which block is which::
 
-      "described_model": {"name": str, "architecture": str, "config_sha256": str},
+      "described_model": {"name": str, "architecture": str, "config_sha256": str,
+                          "finetune": str},   # "full", or the LoRA settings' fingerprint
       "block_units": ["block.0", "block.1", "block.1", ...]   # the unit of every decoder block
 
 so that the section is never applied to another model. Its units' bytes are 0: a described
@@ -95,6 +96,9 @@ class DescribedModelKey:
     name: str
     architecture: str
     config_sha256: str
+    # how it trained: "full", or ``sim.workload.description.finetune_fingerprint`` of the LoRA
+    # settings (a LoRA block runs no weight-gradient matmuls for its frozen base)
+    finetune: str = "full"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,7 +273,10 @@ def _described(data: Any, r: JsonReader, n_layers: int) -> tuple[DescribedModelK
     if not isinstance(data, dict) or "described_model" not in data:
         return None, ()
     m = r.sub("described_model")
-    key = DescribedModelKey(**{f: m.get(f, str) for f in ("name", "architecture", "config_sha256")})
+    key = DescribedModelKey(
+        **{f: m.get(f, str) for f in ("name", "architecture", "config_sha256")},
+        finetune=m.get("finetune", str, "full"),  # profiles before LoRA calibration: full training
+    )
     names = r.get("block_units", list)
     if len(names) != n_layers or not all(isinstance(n, str) and n.startswith("block.") for n in names):
         raise UserError(

@@ -219,6 +219,18 @@ def finetune_key(finetune: dict[str, Any] | None) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def finetune_fingerprint(facts: FinetuneFacts | None) -> str:
+    """What a calibrated profile records of how its described model trained: ``full``, or the
+    method and LoRA settings (not the frozen names, which follow from them), e.g.
+    ``lora:r8:a16.0:d0.0:q_proj,v_proj`` — readable in the profile, compared as a string."""
+    if facts is None:
+        return "full"
+    targets = facts.target_modules
+    named = ",".join(targets) if isinstance(targets, tuple) else str(targets)
+    quant = f":{facts.quant_storage}:dq{int(facts.double_quant)}" if facts.method == "qlora" else ""
+    return f"{facts.method}:r{facts.rank}:a{facts.alpha}:d{facts.dropout}:{named}{quant}"
+
+
 def description_key(
     config_sha256: str,
     micro_batch: int,
