@@ -91,6 +91,16 @@ HF_MATRIX: list[tuple[str, list[str]]] = [
         "hf tiny-mixtral (MoE, 4 experts, top-2) FULL_SHARD block bf16",
         [f"{_HF}tiny-mixtral.json", "precision.param_dtype=bf16"],
     ),
+    (  # PEFT's LoRA on every linear of the blocks, the base frozen (calibrated as it trains)
+        "hf tiny-qwen2 (dense) LoRA r8 all-linear FULL_SHARD block fp32",
+        [
+            f"{_HF}tiny-qwen2.json",
+            "finetune.method=lora",
+            "finetune.rank=8",
+            "finetune.alpha=16",
+            "finetune.target_modules=all-linear",
+        ],
+    ),
 ]
 MATRIX += HF_MATRIX
 
