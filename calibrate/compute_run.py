@@ -75,9 +75,9 @@ def _measure(
         extra["deepspeed_layer"] = deepspeed_overhead.layer_overhead(
             target, target.deepspeed_config, device, reps, copy_Bps
         )
-    extra["slowdown"], extra["slowdown_raw"] = overheads.slowdown_during_collective(
-        extra.pop("block_unit"), device, reps
-    )
+    block = extra.pop("block_unit")
+    extra["time_spread"] = overheads.time_spread(block, device, reps)
+    extra["slowdown"], extra["slowdown_raw"] = overheads.slowdown_during_collective(block, device, reps)
     m = target.model
     extra["attention_kernel"] = device_probe.sdpa_kernel(
         device, target.param_dtype, m.n_heads, m.n_kv_heads, target.seq_len, m.head_dim
@@ -99,7 +99,9 @@ def _averaged(measured: dict[str, UnitMeasurement], extra: dict[str, Any], devic
         flat["deepspeed_layer"] = extra["deepspeed_layer"]
     if "isolated" in extra:  # the Llama units measured alone (a described model's are not)
         flat["isolated"] = extra["isolated"]
-    flat.update(slowdown=extra["slowdown"], slowdown_raw=extra["slowdown_raw"])
+    flat.update(
+        slowdown=extra["slowdown"], slowdown_raw=extra["slowdown_raw"], time_spread=extra["time_spread"]
+    )
     avg = mean_over_ranks(flat, device)
     # the floor at zero after the mean over ranks, not before: one rank's negative raw figure
     # (noise on a loaded host) must not lift the mean of the floored ones above the floored mean
@@ -139,6 +141,7 @@ def _section(
         ),
         host_overhead_in_step=device.type == "cpu",
         slowdown=max(1.0, avg["slowdown"]),
+        time_rel_std=avg["time_spread"],
         block_units=block_units,
         **_deepspeed_fields(target, avg),
     )
@@ -169,7 +172,7 @@ def _source(
 ) -> dict[str, Any]:
     import torch
 
-    from calibrate import device_probe
+    from calibrate import device_probe, overheads
     from calibrate.fsdp_overhead import CHAIN, TINY_SEQ
 
     return {
@@ -194,6 +197,8 @@ def _source(
             f"layers unwrapped, over {CHAIN}, less the modelled copies; added to the step only where the host "
             "is the device (CPU)"
         },
+        "time_spread_method": "relative standard deviation of the block's forward time over "
+        f"{overheads.SPREAD_RUNS} runs in a row, every rank at once, averaged over ranks",
         "slowdown_raw": avg["slowdown_raw"],
         "slowdown_note": "1.0: one rank, no collective"
         if env.world_size < 2

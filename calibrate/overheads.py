@@ -9,6 +9,8 @@
 - Optimizer step per parameter: ``AdamW(foreach=True)`` and ``SGD(momentum=0.9, foreach=True)``
   over fp32 shards (FSDP2 keeps sharded parameters in their original dtype) of the model's
   parameters, up to ``OPTIMIZER_ELEMENTS`` elements, divided by the elements stepped.
+- Time spread: the relative standard deviation of the block's forward time run after run, on
+  every rank at once (``time_spread``), the simulator's default per-op jitter.
 - Compute slowdown during a collective: the block's forward time while another thread keeps
   all-reducing a large buffer (GPU: on a side stream; CPU: gloo's threads take cores), over the
   time right before; on one rank there is no collective and the factor is 1.
@@ -30,6 +32,7 @@ from sim.workload.model import param_specs
 
 OPTIMIZER_ELEMENTS = 32 << 20
 SLOWDOWN_WINDOW_S = 1.0
+SPREAD_RUNS = 30
 
 
 def _sync(device: torch.device) -> None:
@@ -154,6 +157,18 @@ def _forward_times(unit: Unit, device: torch.device, until: Any) -> list[float]:
         _sync(device)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def time_spread(unit: Unit, device: torch.device, reps: int) -> float:
+    """The relative standard deviation of the unit's forward time over ``SPREAD_RUNS`` (at least
+    ``reps``) runs in a row, every rank at once (after a barrier): how far ranks drift apart
+    between two collectives. Outliers stay in: a rank's occasional slow run is what the others
+    wait for."""
+    if dist.is_initialized():
+        dist.barrier()
+    _forward_times(unit, device, lambda n: n < 1)  # a warm-up
+    times = _forward_times(unit, device, lambda n: n < max(reps, SPREAD_RUNS))
+    return statistics.stdev(times) / statistics.fmean(times)
 
 
 def slowdown_during_collective(unit: Unit, device: torch.device, reps: int) -> tuple[float, float]:

@@ -65,11 +65,19 @@ def _vectorised(scenario: Scenario) -> bool:
     return engine == "vector" or (engine == "auto" and scenario.parallel.world_size > VECTOR_RANKS)
 
 
-def _variability(scenario: Scenario, network: Network | None) -> Variability:
+def compute_jitter(scenario: Scenario, profile: HardwareProfile) -> float:
+    """Each compute op's relative spread per rank: the scenario's ``simulation.compute_jitter``,
+    else the spread the profile's compute calibration measured (0 without one)."""
+    if scenario.simulation.compute_jitter is not None:
+        return scenario.simulation.compute_jitter
+    return profile.compute.compute_time_rel_std if profile.compute is not None else 0.0
+
+
+def _variability(scenario: Scenario, profile: HardwareProfile, network: Network | None) -> Variability:
     sim = scenario.simulation
     return Variability(
         seed=sim.seed,
-        compute_jitter=sim.compute_jitter,
+        compute_jitter=compute_jitter(scenario, profile),
         slow_rank=sim.slow_rank,
         slow_rank_factor=sim.slow_rank_factor,
         links_identical=network is None or network.links_identical,
@@ -139,7 +147,7 @@ def build_step(
     topology = job_topology(scenario)
     network = network or scenario_network(scenario, profile)
 
-    identical = _variability(scenario, network).ranks_identical
+    identical = _variability(scenario, profile, network).ranks_identical
 
     @cache
     def collective(name: str, nbytes: int, group: GroupKind, dtype: str) -> CollectiveCost:
@@ -282,7 +290,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile | None = None) -> SimR
     table = run_program(
         program,
         topology,
-        _variability(scenario, network),
+        _variability(scenario, profile, network),
         serial=not profile.backend.overlaps_comm_compute,
         interference=profile.compute_slowdown_during_collective,
         group_links=None

@@ -43,7 +43,7 @@ def _both(scenario):  # type: ignore[no-untyped-def]
     network = scenario_network(scenario, profile)
     step, topology, ops = build_step(scenario, profile, network)
     program = build_program(step)
-    variability = _variability(scenario, network)
+    variability = _variability(scenario, profile, network)
     kwargs = {
         "serial": not profile.backend.overlaps_comm_compute,
         "interference": profile.compute_slowdown_during_collective,

@@ -15,7 +15,8 @@ JSON shape::
       "deepspeed_step_s_per_param": {"1" | "2" | "3": float},  # DeepSpeed's whole step (optional)
       "deepspeed_layer_overhead_s": {"1" | "2" | "3": {"forward": float, "backward": float}},  # its hooks
       "host_overhead_in_step": bool,   # true where the host is the device (CPU): the overhead adds up
-      "compute_slowdown_during_collective": float
+      "compute_slowdown_during_collective": float,
+      "compute_time_rel_std": float    # the spread of one unit's time, run after run (optional, 0)
     }
     U = {forward_s, backward_s, recompute_s (block only, else 0), saved_activation_bytes,
          forward_transient_bytes, backward_transient_bytes}
@@ -115,6 +116,10 @@ class ComputeSection:
     fsdp_backward_overhead_s: float
     host_overhead_in_step: bool
     compute_slowdown_during_collective: float = 1.0
+    # the relative standard deviation of one decoder block's forward time over repeated runs on
+    # every rank at once: the default of ``simulation.compute_jitter`` (ranks drift apart and wait
+    # for the late one at every collective); 0 in profiles calibrated before it was measured
+    compute_time_rel_std: float = 0.0
     # FSDP1's host work per unit (FullyShardedDataParallel's hooks and flat-parameter views), measured
     # the same way; None in profiles calibrated before it was measured
     fsdp1_forward_overhead_s: float | None = None
@@ -150,6 +155,7 @@ class ComputeSection:
                 },
                 "host_overhead_in_step": self.host_overhead_in_step,
                 "compute_slowdown_during_collective": self.compute_slowdown_during_collective,
+                "compute_time_rel_std": self.compute_time_rel_std,
             }
             | self._fsdp1_dict()
             | self._described_dict()
@@ -230,6 +236,7 @@ def parse_compute_section(data: Any, where: str) -> ComputeSection:
         fsdp_backward_overhead_s=overhead.number("backward"),
         host_overhead_in_step=r.get("host_overhead_in_step", bool),
         compute_slowdown_during_collective=r.number("compute_slowdown_during_collective", 1.0, 1.0),
+        compute_time_rel_std=r.number("compute_time_rel_std", 0.0, 0.0),
         fsdp1_forward_overhead_s=fsdp1.number("forward") if fsdp1 is not None else None,
         fsdp1_backward_overhead_s=fsdp1.number("backward") if fsdp1 is not None else None,
         described_model=described,

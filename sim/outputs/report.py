@@ -18,7 +18,7 @@ from sim.outputs.intervals import Breakdown, rank_breakdown, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curve
 from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, host_bytes, model_state
 from sim.schedule.zero_state import zero_infinity_working_memory, zero_state
-from sim.simulate import SimResult, job_topology, scenario_network
+from sim.simulate import SimResult, compute_jitter, job_topology, scenario_network
 from sim.workload.flops import model_flops_per_token, recompute_flops_per_token
 from sim.workload.model import n_params
 
@@ -82,6 +82,7 @@ class StepReport:
     system: str = "FSDP2"  # FSDP2, FSDP1, DDP, DeepSpeed ZeRO-<stage>
     profile: str
     profile_calibrated: bool
+    compute_jitter: float = 0.0  # each compute op's relative spread per rank (sim.simulate.compute_jitter)
     step_time_s: float
     tokens_per_step: int
     mfu: float  # torchtitan's model FLOPs (sim.workload.flops) over the dense peak of the compute dtype
@@ -139,6 +140,7 @@ class StepReport:
             "n_units": self.n_units,
             "profile": self.profile,
             "profile_calibrated": self.profile_calibrated,
+            "compute_jitter": self.compute_jitter,
             "step_time_s": self.step_time_s,
             "tokens_per_step": self.tokens_per_step,
             "tokens_per_s": self.tokens_per_s,
@@ -314,6 +316,7 @@ def build_report(result: SimResult) -> StepReport:
         n_units=len(step.units),
         profile=profile.name,
         profile_calibrated=profile.calibrated,
+        compute_jitter=compute_jitter(s, profile),
         step_time_s=step_s,
         tokens_per_step=s.tokens_per_step,
         mfu=mfu,

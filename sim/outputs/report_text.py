@@ -57,6 +57,11 @@ def format_table(r: StepReport) -> str:
         if not r.system.startswith("DeepSpeed")
         else f"parallel      {r.system}, {r.world_size} ranks",
         f"profile       {r.profile}" + ("" if r.profile_calibrated else " (datasheet, not calibrated)"),
+        *(
+            [f"ranks drift   compute jitter {r.compute_jitter:.1%} per op and rank"]
+            if r.compute_jitter
+            else []
+        ),
         "",
         f"step time     {ms(step)}",
         f"  compute       {ms(b.compute_s)} ({_share(b.compute_s, step)})",

@@ -197,7 +197,7 @@ def _check(s: Scenario, where: str) -> None:
     _check_deepspeed(s, where)
     _check_finetune_system(s, where)
     sim = s.simulation
-    if sim.compute_jitter < 0:
+    if sim.compute_jitter is not None and sim.compute_jitter < 0:
         raise UserError(f"{where}: simulation.compute_jitter must be >= 0")
     positive("simulation.slow_rank_factor", sim.slow_rank_factor)
     positive("simulation.slow_nic_factor", sim.slow_nic_factor)

@@ -183,7 +183,9 @@ class ClusterSection:
 @dataclass(frozen=True, kw_only=True)
 class SimulationSection:
     seed: int = 0
-    compute_jitter: float = 0.0  # relative std-dev of each compute op's time, per rank
+    # relative std-dev of each compute op's time, per rank; unset: the spread the profile's
+    # compute calibration measured (``compute.compute_time_rel_std``), 0 without one
+    compute_jitter: float | None = None
     slow_rank: int | None = None
     slow_rank_factor: float = 1.0  # e.g. 1.1: slow_rank's compute takes 10 % longer
     # the network's what-ifs that differ between links (every rank is then simulated):

@@ -15,7 +15,7 @@ from sim.errors import UserError
 from sim.hardware.schema import HardwareProfile
 from sim.outputs.report import StepReport, build_report
 from sim.scenario.sections import Scenario
-from sim.simulate import build_step, simulate
+from sim.simulate import build_step, compute_jitter, simulate
 from sim.study.tune.bounds import memory_lower_bound_bytes, step_time_lower_bound_s
 from sim.study.tune.space import Candidate, apply, candidates
 
@@ -124,7 +124,7 @@ def search(
     ``prune=False`` simulates every valid candidate (the brute force the tests compare with).
     """
     bounded = [bound(base, profile, c, limit_bytes) for c in candidates(base, global_sequences)]
-    time_pruning = prune and base.simulation.compute_jitter == 0.0
+    time_pruning = prune and compute_jitter(base, profile) == 0.0
     done: dict[Candidate, Evaluated] = {}
     best: list[Evaluated] = []
     todo = [
