@@ -69,6 +69,15 @@ MATRIX: list[tuple[str, list[str]]] = [
         "DeepSpeed ZeRO-3 5m bf16",
         [*_DS_BF16, "deepspeed.stage=3", "deepspeed.stage3_param_persistence_threshold=10000"],
     ),
+    (  # the head shares the embedding's weight: its gradient is summed from both uses
+        "DeepSpeed ZeRO-3 5m bf16 tied embeddings",
+        [
+            *_DS_BF16,
+            "deepspeed.stage=3",
+            "deepspeed.stage3_param_persistence_threshold=10000",
+            "model.tie_embeddings=true",
+        ],
+    ),
     (
         "DeepSpeed ZeRO-3 5m bf16 checkpointing",
         [
