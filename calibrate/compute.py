@@ -46,6 +46,7 @@ class ComputeTarget:
             architecture=d.architecture,
             config_sha256=d.config_sha256,
             finetune=finetune_fingerprint(d.finetune),
+            decoder_seq_len=d.decoder_seq_len,
         )
 
     @property
@@ -60,11 +61,13 @@ class ComputeTarget:
         if d is None:
             return
         qlora = d.finetune is not None and d.finetune.method == "qlora"
-        two_stacks = len({b.rpartition(".")[0] for b in d.blocks}) > 1
-        if qlora or two_stacks:
+        stacks = {b.rpartition(".")[0] for b in d.blocks}
+        other_stacks = len(stacks) > 1 and stacks != {"encoder.block", "decoder.block"}
+        if qlora or other_stacks:
             # QLoRA: bitsandbytes' 4-bit kernels are not what this host would run; measured on a
-            # compute-dtype base, the scales would cancel the modelled dequantization
-            what = "fine-tuned with QLoRA" if qlora else "an encoder-decoder (two stacks)"
+            # compute-dtype base, the scales would cancel the modelled dequantization. Two stacks:
+            # T5's (encoder.block, decoder.block) only, whose depth keys calibrate.hf_units knows
+            what = "fine-tuned with QLoRA" if qlora else "an encoder-decoder other than T5's two stacks"
             raise UserError(
                 f"calibrate compute: model {d.name} is {what}; it is timed by the kernel model only "
                 "(use a profile without a compute section)"

@@ -197,8 +197,9 @@ def _source(
             f"layers unwrapped, over {CHAIN}, less the modelled copies; added to the step only where the host "
             "is the device (CPU)"
         },
-        "time_spread_method": "relative standard deviation of the block's forward time over "
-        f"{overheads.SPREAD_RUNS} runs in a row, every rank at once, averaged over ranks",
+        "time_spread_method": "the block's forward time over "
+        f"{overheads.SPREAD_RUNS} runs in a row, every rank at once: sqrt(pi)/2 x the mean |t_i - t_j| over "
+        "pairs (a normal law's sigma from Gini's mean difference) over the mean time, averaged over ranks",
         "slowdown_raw": avg["slowdown_raw"],
         "slowdown_note": "1.0: one rank, no collective"
         if env.world_size < 2

@@ -19,7 +19,10 @@ hooks, so every unit runs where and as the model runs it (its mask, rotary table
 A LoRA model is the same model with PEFT's LoRA applied as the description applied it (adapters
 in the compute dtype); its first block is a kind of its own, and since its input (from the frozen
 embedding) needs no gradient, its backward is what remains of the step's backward and the
-embedding's is 0. QLoRA and encoder-decoders are refused (``ComputeTarget.check_measurable``).
+embedding's is 0. An encoder-decoder (T5) keeps one block per kind in each of its two stacks
+and runs on the scenario's encoder and decoder lengths; its shared embedding's two calls (the
+encoder's tokens, the decoder's) add up to ``embed``'s forward. QLoRA is refused
+(``ComputeTarget.check_measurable``).
 Means over ``reps`` steps after one warm-up. Memory is not measured here: a described model's
 saved bytes and transients come from its description (the same saved-tensor hooks, under
 ``FakeTensorMode``), which the memory validation checks.
@@ -48,13 +51,23 @@ TIMES = ("forward_s", "backward_s", "recompute_s")
 
 @dataclass(frozen=True, kw_only=True)
 class DescribedModel:
-    """The real model kept to one block per kind; ``kept`` are the original indices of its blocks,
-    ``block_units`` the unit each original block is timed by."""
+    """The real model kept to one block per kind; ``kept`` are the original indices of its blocks
+    (over both stacks of an encoder-decoder, the encoder's first), ``slots`` where each kept block
+    sits (its stack's block list and its index there), ``block_units`` the unit each original
+    block is timed by."""
 
     model: nn.Module
-    layers: nn.ModuleList
+    slots: tuple[tuple[nn.ModuleList, int], ...]
     kept: tuple[int, ...]
     block_units: tuple[str, ...]
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return [stack[i] for stack, i in self.slots]
+
+    def replace_layer(self, j: int, module: nn.Module) -> None:
+        stack, i = self.slots[j]
+        stack[i] = module
 
 
 def _description(target: ComputeTarget) -> ModelDescription:
@@ -63,17 +76,32 @@ def _description(target: ComputeTarget) -> ModelDescription:
     return d
 
 
-def _config(target: ComputeTarget, n_layers: int | None = None) -> Any:
-    """The description's own config (``n_layers`` decoder layers instead, when given: the first
-    ones, their kinds unchanged, since a layer's kind follows its index)."""
+# the config keys of each stack's depth, by the stack's block list: a decoder's, T5's two
+STACK_DEPTH_KEYS = {"encoder.block": "num_layers", "decoder.block": "num_decoder_layers"}
+
+
+def _config(target: ComputeTarget, depths: dict[str, int] | None = None) -> Any:
+    """The description's own config; with ``depths`` (stack -> blocks) each stack cut to its
+    first blocks, their kinds unchanged, since a block's kind follows its index."""
     from hfmodel.build import hf_config
 
     data = json.loads(_description(target).config_json)
-    if n_layers is not None:
-        data["num_hidden_layers"] = n_layers
+    for stack, n in (depths or {}).items():
+        if stack in STACK_DEPTH_KEYS:
+            data[STACK_DEPTH_KEYS[stack]] = n
+            continue
+        data["num_hidden_layers"] = n
         if isinstance(data.get("layer_types"), list):
-            data["layer_types"] = data["layer_types"][:n_layers]
+            data["layer_types"] = data["layer_types"][:n]
     return hf_config(data)
+
+
+def _stacks(blocks: list[str]) -> dict[str, list[int]]:
+    """Each stack's block list path -> the indices (over all blocks) of its blocks, in order."""
+    stacks: dict[str, list[int]] = {}
+    for i, path in enumerate(blocks):
+        stacks.setdefault(path.rpartition(".")[0], []).append(i)
+    return stacks
 
 
 def _lora_settings(target: ComputeTarget) -> dict[str, Any] | None:
@@ -104,7 +132,10 @@ def build_described(target: ComputeTarget, device: torch.device, dtype: torch.dt
     blocks = block_prefixes(meta)
     reps = representatives(meta, blocks, first_alone=lora is not None)
     kept = tuple(sorted(set(reps)))
-    cfg = _config(target, kept[-1] + 1)
+    stacks = _stacks(blocks)
+    # each stack built up to its last representative: its position in its own stack, plus one
+    local = {stack: [indices.index(i) for i in kept if i in indices] for stack, indices in stacks.items()}
+    cfg = _config(target, {stack: ks[-1] + 1 for stack, ks in local.items()})
     with torch.device(device):
         model = build_causal_lm(cfg, dtype)
     if lora is not None:  # PEFT's LoRA as the description traced it: adapters in the base's dtype
@@ -112,14 +143,17 @@ def build_described(target: ComputeTarget, device: torch.device, dtype: torch.dt
 
         apply_lora(model, lora, adapters_in_base_dtype=True)
     modules = dict(model.named_modules())
-    container_path = blocks[0].rpartition(".")[0]
-    parent, _, attr = container_path.rpartition(".")
-    layers = nn.ModuleList([modules[container_path][i] for i in kept])
-    setattr(modules[parent] if parent else model, attr, layers)
-    cfg.num_hidden_layers = len(kept)
+    slots: list[tuple[nn.ModuleList, int]] = []
+    for stack, ks in local.items():
+        parent, _, attr = stack.rpartition(".")
+        trimmed = nn.ModuleList([modules[stack][k] for k in ks])
+        setattr(modules[parent] if parent else model, attr, trimmed)
+        slots += [(trimmed, j) for j in range(len(ks))]
+    if len(stacks) == 1:
+        cfg.num_hidden_layers = len(kept)  # a decoder's layer count (T5's stacks loop over their lists)
     model = model.to(device=device, dtype=dtype).train()
     return DescribedModel(
-        model=model, layers=layers, kept=kept, block_units=tuple(f"block.{r}" for r in reps)
+        model=model, slots=tuple(slots), kept=kept, block_units=tuple(f"block.{r}" for r in reps)
     )
 
 
@@ -133,6 +167,7 @@ class _Clock:
     def __init__(self, device: torch.device):
         self.device = device
         self.at: dict[str, float] = {}
+        self.spent: dict[str, float] = {}
 
     def hook(self, event: str) -> Callable[..., None]:
         def mark(*_: Any) -> None:
@@ -140,14 +175,23 @@ class _Clock:
 
         return mark
 
+    def interval(self, name: str, since: str = "embed.f0") -> Callable[..., None]:
+        """Add the time since the ``since`` mark to ``name``: a module called more than once a
+        step (T5's shared embedding: the encoder's tokens, then the decoder's) sums its calls."""
+
+        def add(*_: Any) -> None:
+            self.spent[name] = self.spent.get(name, 0.0) + synced_now(self.device) - self.at[since]
+
+        return add
+
 
 def _register(dm: DescribedModel, clock: _Clock) -> list[Any]:
-    get_embeddings: Any = dm.model.get_input_embeddings
-    embed: nn.Module = get_embeddings()
-    handles = [
-        embed.register_forward_pre_hook(clock.hook("embed.f0")),
-        embed.register_forward_hook(clock.hook("embed.f1")),
-    ]
+    handles = []
+    for embed in _embedding_modules(dm.model):
+        handles += [
+            embed.register_forward_pre_hook(clock.hook("embed.f0")),
+            embed.register_forward_hook(clock.interval("embed.forward")),
+        ]
     for j, layer in enumerate(dm.layers):
         handles += [
             layer.register_forward_pre_hook(clock.hook(f"{j}.f0")),
@@ -158,19 +202,36 @@ def _register(dm: DescribedModel, clock: _Clock) -> list[Any]:
     return handles
 
 
+def _embedding_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that embed tokens with the input embedding's table: the table itself, or (T5)
+    the encoder's and the decoder's ``embed_tokens``, which hold the shared weight."""
+    get_embeddings: Any = model.get_input_embeddings
+    table = get_embeddings().weight
+    users = {id(m): m for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is table}
+    return list(users.values())
+
+
 def _ids(target: ComputeTarget, device: torch.device, seq_len: int | None = None) -> torch.Tensor:
     vocab = _description(target).vocab
     return torch.randint(0, vocab, (target.micro_batch, seq_len or target.seq_len), device=device)
+
+
+def _batch(target: ComputeTarget, device: torch.device) -> dict[str, torch.Tensor]:
+    """One training step's inputs: token ids and labels (an encoder-decoder's labels, shifted
+    right into its decoder's input, have the decoder's own length)."""
+    ids = _ids(target, device)
+    decoder = _description(target).decoder_seq_len
+    return {"input_ids": ids, "labels": ids if decoder is None else _ids(target, device, decoder)}
 
 
 def _step_times(dm: DescribedModel, target: ComputeTarget, device: torch.device) -> dict[str, float]:
     """One training step's unit times (seconds), keyed ``unit.forward_s`` / ``unit.backward_s``."""
     clock = _Clock(device)
     handles = _register(dm, clock)
-    ids = _ids(target, device)
+    batch = _batch(target, device)
     try:
         t0 = synced_now(device)
-        loss = dm.model(input_ids=ids, labels=ids).loss
+        loss = dm.model(**batch).loss
         t1 = synced_now(device)
         with warnings.catch_warnings():  # a frozen embedding: the fallback handled below
             warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
@@ -181,7 +242,7 @@ def _step_times(dm: DescribedModel, target: ComputeTarget, device: torch.device)
             h.remove()
     dm.model.zero_grad(set_to_none=True)
     at = clock.at
-    out = {"embed.forward_s": at["embed.f1"] - at["embed.f0"]}
+    out = {"embed.forward_s": clock.spent["embed.forward"]}
     for j, index in enumerate(dm.kept):
         out[f"block.{index}.forward_s"] = at[f"{j}.f1"] - at[f"{j}.f0"]
         out[f"block.{index}.backward_s"] = at[f"{j}.b1"] - at[f"{j}.b0"]
@@ -226,11 +287,10 @@ def _recompute_times(
 
         return lambda: (contextlib.nullcontext(), stopwatch())
 
-    for j in range(len(dm.layers)):
-        dm.layers[j] = checkpoint_wrapper(dm.layers[j], preserve_rng_state=False, context_fn=stopwatch_for(j))
+    for j, layer in enumerate(dm.layers):
+        dm.replace_layer(j, checkpoint_wrapper(layer, preserve_rng_state=False, context_fn=stopwatch_for(j)))
     for _ in range(reps + 1):
-        ids = _ids(target, device)
-        dm.model(input_ids=ids, labels=ids).loss.backward()
+        dm.model(**_batch(target, device)).loss.backward()
         dm.model.zero_grad(set_to_none=True)
     return {f"block.{i}.recompute_s": statistics.fmean(spent[j][1:]) for j, i in enumerate(dm.kept)}
 
@@ -263,8 +323,11 @@ def units_of(times: dict[str, float], block_units: tuple[str, ...]) -> dict[str,
     }
 
 
-def _captured_call(dm: DescribedModel, ids: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The first kept block's call as the model makes it (hidden states left out)."""
+def _captured_call(
+    dm: DescribedModel, ids: torch.Tensor, encoder_decoder: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The first kept block's call as the model makes it (hidden states left out); an
+    encoder-decoder's first block is its encoder's, though its decoder must run too."""
     got: dict[str, Any] = {}
 
     def keep(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -274,7 +337,7 @@ def _captured_call(dm: DescribedModel, ids: torch.Tensor) -> tuple[tuple[Any, ..
 
     handle = dm.layers[0].register_forward_pre_hook(keep, with_kwargs=True)
     with torch.no_grad():
-        dm.model(input_ids=ids)
+        dm.model(input_ids=ids, **({"decoder_input_ids": ids} if encoder_decoder else {}))
     handle.remove()
     return got["args"], got["kwargs"]
 
@@ -298,7 +361,8 @@ class BlockChain(nn.Module):
         compute = TORCH_DTYPES[target.param_dtype]
         dm = build_described(target, device, compute)
         ids = torch.randint(0, _description(target).vocab, (batch, seq_len), device=device)
-        self.rest, self.call_kwargs = _captured_call(dm, ids)
+        encoder_decoder = _description(target).decoder_seq_len is not None
+        self.rest, self.call_kwargs = _captured_call(dm, ids, encoder_decoder)
         self.layers = nn.ModuleList(copy.deepcopy(dm.layers[0]) for _ in range(count))
         self.to(device=device, dtype=dtype)
 

@@ -160,15 +160,24 @@ def _forward_times(unit: Unit, device: torch.device, until: Any) -> list[float]:
 
 
 def time_spread(unit: Unit, device: torch.device, reps: int) -> float:
-    """The relative standard deviation of the unit's forward time over ``SPREAD_RUNS`` (at least
-    ``reps``) runs in a row, every rank at once (after a barrier): how far ranks drift apart
-    between two collectives. Outliers stay in: a rank's occasional slow run is what the others
-    wait for."""
+    """The unit's forward-time spread over ``SPREAD_RUNS`` (at least ``reps``) runs in a row,
+    every rank at once (after a barrier), as the relative standard deviation of the normal
+    per-op draws the simulator makes (``sim.core.engine.Variability``). What makes ranks wait
+    for each other is how far two runs differ, so it is estimated from Gini's mean difference
+    (the mean of |t_i - t_j| over all pairs), which for a normal law is 2σ/√π: σ = √π/2 times it,
+    over the mean. It counts a rare slow run by its size, not its square, so a preempted run of a
+    short unit on a busy host does not swamp it as it does the sample standard deviation."""
     if dist.is_initialized():
         dist.barrier()
     _forward_times(unit, device, lambda n: n < 1)  # a warm-up
     times = _forward_times(unit, device, lambda n: n < max(reps, SPREAD_RUNS))
-    return statistics.stdev(times) / statistics.fmean(times)
+    return gini_sigma(times) / statistics.fmean(times)
+
+
+def gini_sigma(samples: list[float]) -> float:
+    """σ of a normal law with the samples' Gini mean difference (√π/2 × mean |x_i - x_j|)."""
+    pairs = [abs(a - b) for i, a in enumerate(samples) for b in samples[i + 1 :]]
+    return math.sqrt(math.pi) / 2 * statistics.fmean(pairs)
 
 
 def slowdown_during_collective(unit: Unit, device: torch.device, reps: int) -> tuple[float, float]:

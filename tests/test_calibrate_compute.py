@@ -66,7 +66,7 @@ def test_tiny_end_to_end_adds_a_compute_section(calibrated: Path) -> None:
     assert c.copy_Bps > 0 and c.optimizer_s_per_param["adamw"] > 0 and c.optimizer_s_per_param["sgd"] > 0
     assert c.compute_slowdown_during_collective >= 1.0
     # the block's forward time run after run varies (it never repeats to the nanosecond on a host)
-    assert 0 < c.compute_time_rel_std < 1
+    assert c.compute_time_rel_std > 0
     # FSDP2's own costs, measured with the real fully_shard: DTensor optimizer, per-unit host work
     assert c.fsdp_optimizer_s_per_param["adamw"] > 0 and c.fsdp_optimizer_s_per_param["sgd"] > 0
     assert c.fsdp_forward_overhead_s >= 0 and c.fsdp_backward_overhead_s >= 0

@@ -118,6 +118,7 @@ def test_two_ranks_write_the_described_models_units(calibrated: Path, folder: Pa
         "architecture": "MixtralForCausalLM",
         "config_sha256": d.config_sha256,
         "finetune": "full",
+        "decoder_seq_len": None,
     }
     assert compute["block_units"] == ["block.0", "block.0"]
     assert list(compute["units"]) == ["embed", "block.0", "head"]

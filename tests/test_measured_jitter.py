@@ -60,3 +60,21 @@ def test_the_scenarios_own_jitter_wins_and_older_profiles_have_none(tmp_path: Pa
     assert "ranks drift" not in format_table(build_report(result))
     scenario, result = _run(_profile(tmp_path, None), "simulation.compute_jitter=0.05")
     assert compute_jitter(scenario, result.profile) == pytest.approx(0.05)
+
+
+def test_the_spread_estimator_is_the_normal_sigma_of_the_mean_pairwise_difference() -> None:
+    import math
+    import random
+    import statistics
+
+    from calibrate.overheads import gini_sigma
+
+    # three samples: pairs differ by 1, 2 and 1, mean 4/3; sigma = sqrt(pi)/2 * 4/3
+    assert gini_sigma([1.0, 2.0, 3.0]) == pytest.approx(math.sqrt(math.pi) / 2 * 4 / 3)
+    assert gini_sigma([5.0] * 10) == 0.0
+    rng = random.Random(1)
+    draws = [rng.gauss(10.0, 0.5) for _ in range(4000)]
+    assert gini_sigma(draws) == pytest.approx(0.5, rel=0.05)  # a normal law's own sigma
+    # one preempted run among 29 steady ones counts by its size, not its square
+    steady = [1.0 + 0.01 * (i % 3) for i in range(29)]
+    assert gini_sigma([*steady, 10.0]) < statistics.stdev([*steady, 10.0]) / 2

@@ -330,8 +330,15 @@ def check_same_model(compute: ComputeSection, model: ModelConfig, where: str) ->
         return
     if measured is not None and d is not None and measured.config_sha256 == d.config_sha256:
         trained = finetune_fingerprint(d.finetune)
-        if measured.finetune == trained:
+        if measured.finetune == trained and measured.decoder_seq_len == d.decoder_seq_len:
             return
+        if measured.decoder_seq_len != d.decoder_seq_len:
+            raise UserError(
+                f"{where}: its compute section was measured on model {measured.name} with a decoder of "
+                f"{measured.decoder_seq_len} tokens, not the scenario's {d.decoder_seq_len} "
+                "(training.decoder_seq_len): run `fsdpsim calibrate compute SCENARIO --profile PROFILE` for "
+                "this scenario, or use a profile without a compute section"
+            )
         raise UserError(
             f"{where}: its compute section was measured on model {measured.name} trained {measured.finetune!r}, "
             f"not as the scenario trains it ({trained!r}): run `fsdpsim calibrate compute SCENARIO --profile "

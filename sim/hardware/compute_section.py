@@ -27,7 +27,8 @@ kind of decoder block (``i``: the kind's first block), and two more keys say whi
 which block is which::
 
       "described_model": {"name": str, "architecture": str, "config_sha256": str,
-                          "finetune": str},   # "full", or the LoRA settings' fingerprint
+                          "finetune": str,    # "full", or the LoRA settings' fingerprint
+                          "decoder_seq_len": int | null},   # an encoder-decoder's (T5)
       "block_units": ["block.0", "block.1", "block.1", ...]   # the unit of every decoder block
 
 so that the section is never applied to another model. Its units' bytes are 0: a described
@@ -100,6 +101,7 @@ class DescribedModelKey:
     # how it trained: "full", or ``sim.workload.description.finetune_fingerprint`` of the LoRA
     # settings (a LoRA block runs no weight-gradient matmuls for its frozen base)
     finetune: str = "full"
+    decoder_seq_len: int | None = None  # an encoder-decoder's decoder length it was measured at
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,6 +285,7 @@ def _described(data: Any, r: JsonReader, n_layers: int) -> tuple[DescribedModelK
     key = DescribedModelKey(
         **{f: m.get(f, str) for f in ("name", "architecture", "config_sha256")},
         finetune=m.get("finetune", str, "full"),  # profiles before LoRA calibration: full training
+        decoder_seq_len=m.get("decoder_seq_len", (int, type(None)), None),
     )
     names = r.get("block_units", list)
     if len(names) != n_layers or not all(isinstance(n, str) and n.startswith("block.") for n in names):
