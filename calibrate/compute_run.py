@@ -78,9 +78,11 @@ def _measure(
     block = extra.pop("block_unit")
     extra["time_spread"] = overheads.time_spread(block, device, reps)
     extra["slowdown"], extra["slowdown_raw"] = overheads.slowdown_during_collective(block, device, reps)
-    m = target.model
+    m, d = target.model, target.model.description
+    # T5 hands SDPA its relative position bias as a float mask: the call is probed as it makes it
+    float_bias = d is not None and any(op.attention is not None and op.attention.bias for op in d.ops)
     extra["attention_kernel"] = device_probe.sdpa_kernel(
-        device, target.param_dtype, m.n_heads, m.n_kv_heads, target.seq_len, m.head_dim
+        device, target.param_dtype, m.n_heads, m.n_kv_heads, target.seq_len, m.head_dim, float_bias=float_bias
     )
     return measured, extra
 
@@ -117,7 +119,10 @@ def _section(
     avg: dict[str, Any],
     device: Any,
     block_units: tuple[str, ...] = (),
+    attention_evidence: str | None = None,
 ) -> ComputeSection:
+    from calibrate import device_probe
+
     units = {
         u: UnitMeasurement(
             **{f: avg[f"{u}.{f}"] for f in TIME_FIELDS},
@@ -142,6 +147,11 @@ def _section(
         host_overhead_in_step=device.type == "cpu",
         slowdown=max(1.0, avg["slowdown"]),
         time_rel_std=avg["time_spread"],
+        attention_kernel=(
+            device_probe.attention_kernel({target.param_dtype: attention_evidence})
+            if attention_evidence
+            else None
+        ),
         block_units=block_units,
         **_deepspeed_fields(target, avg),
     )
@@ -295,7 +305,7 @@ def run_compute(
         dist.barrier()
         dog.disarm()
         if env.rank == 0:
-            section = _section(target, measured, avg, device, extra["block_units"])
+            section = _section(target, measured, avg, device, extra["block_units"], extra["attention_kernel"])
             doc = read_profile_document(profile)
             doc["compute"] = section.to_dict()
             wall = time.perf_counter() - started

@@ -109,21 +109,33 @@ class _OpNames(TorchDispatchMode):
 
 
 def sdpa_kernel(
-    device: torch.device, dtype: str, heads: int = 8, kv_heads: int = 8, seq: int = 256, head_dim: int = 64
+    device: torch.device,
+    dtype: str,
+    heads: int = 8,
+    kv_heads: int = 8,
+    seq: int = 256,
+    head_dim: int = 64,
+    *,
+    float_bias: bool = False,
 ) -> str:
     """The aten op SDPA dispatches to for a causal training call shaped like HF Llama's.
 
     transformers' ``sdpa_attention_forward`` calls SDPA with ``is_causal=True``, no mask, and
     ``enable_gqa`` when kv heads < heads; we make the same call with grads enabled and record
     which aten ops ran (a fused ``_scaled_dot_product_*`` kernel, or the math decomposition).
+    ``float_bias``: the call T5's attention makes instead, an additive float mask that carries
+    the relative position bias (and needs its gradient), ``is_causal=False``.
     """
     td = TORCH_DTYPES[dtype]
     q = torch.randn(1, heads, seq, head_dim, device=device, dtype=td, requires_grad=True)
     k = torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=td, requires_grad=True)
     v = torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=td, requires_grad=True)
+    mask = (
+        torch.randn(1, heads, seq, seq, device=device, dtype=td, requires_grad=True) if float_bias else None
+    )
     with _OpNames() as rec:
         torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=kv_heads != heads
+            q, k, v, attn_mask=mask, is_causal=not float_bias, enable_gqa=kv_heads != heads
         )
     fused = [n for n in rec.names if "scaled_dot_product" in n and any(f in n for f in _FUSED_SDPA_OPS)]
     return fused[0] if fused else "math (" + ", ".join(sorted(set(rec.names))) + ")"

@@ -67,6 +67,7 @@ def test_tiny_end_to_end_adds_a_compute_section(calibrated: Path) -> None:
     assert c.compute_slowdown_during_collective >= 1.0
     # the block's forward time run after run varies (it never repeats to the nanosecond on a host)
     assert c.compute_time_rel_std > 0
+    assert c.attention_kernel == "flash"  # the tiny Llama's causal call runs this CPU's fused kernel
     # FSDP2's own costs, measured with the real fully_shard: DTensor optimizer, per-unit host work
     assert c.fsdp_optimizer_s_per_param["adamw"] > 0 and c.fsdp_optimizer_s_per_param["sgd"] > 0
     assert c.fsdp_forward_overhead_s >= 0 and c.fsdp_backward_overhead_s >= 0
@@ -129,6 +130,7 @@ def test_other_dimensions_are_refused_by_name(calibrated: Path) -> None:
         (lambda c: c.update(compute_slowdown_during_collective=0.5), "compute_slowdown_during_collective"),
         (lambda c: c.pop("copy_Bps"), "missing field compute.copy_Bps"),
         (lambda c: c.update(compute_time_rel_std=-0.1), "compute.compute_time_rel_std must be a number >= 0"),
+        (lambda c: c.update(attention_kernel="fast"), "compute.attention_kernel must be flash or math"),
     ],
 )
 def test_a_malformed_compute_section_is_refused(calibrated: Path, edit, match: str) -> None:  # type: ignore[no-untyped-def]

@@ -121,6 +121,7 @@ def test_two_ranks_write_the_described_models_units(calibrated: Path, folder: Pa
         "decoder_seq_len": None,
     }
     assert compute["block_units"] == ["block.0", "block.0"]
+    assert compute["attention_kernel"] == "flash"  # a causal call without a mask: the CPU's fused kernel
     assert list(compute["units"]) == ["embed", "block.0", "head"]
     assert "MixtralForCausalLM" in doc["source"]["compute"]["method"]
 
@@ -187,7 +188,7 @@ def test_the_profile_refuses_another_model_in_one_line(
 def test_the_matrix_rows_of_described_models_are_their_own_system() -> None:
     from validation.matrix import HF_BASE, HF_MATRIX, MATRIX, system_of
 
-    assert [system_of(o) for _, o in HF_MATRIX] == ["hf", "hf", "hf"]
+    assert [system_of(o) for _, o in HF_MATRIX] == ["hf"] * 4
     assert all(system_of(o) != "hf" for name, o in MATRIX if (name, o) not in HF_MATRIX)
     for _, overrides in HF_MATRIX:  # each row's config exists where the base scenario points
         config = next(o for o in overrides if o.startswith("model.config=")).split("=", 1)[1]

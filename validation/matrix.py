@@ -110,6 +110,9 @@ HF_MATRIX: list[tuple[str, list[str]]] = [
             "finetune.target_modules=all-linear",
         ],
     ),
+    # an encoder-decoder: 3 encoder and 2 decoder blocks, relative position bias, the decoder as
+    # long as the encoder
+    ("hf tiny-t5 (encoder-decoder) FULL_SHARD block fp32", [f"{_HF}tiny-t5.json"]),
 ]
 MATRIX += HF_MATRIX
 

@@ -16,7 +16,8 @@ JSON shape::
       "deepspeed_layer_overhead_s": {"1" | "2" | "3": {"forward": float, "backward": float}},  # its hooks
       "host_overhead_in_step": bool,   # true where the host is the device (CPU): the overhead adds up
       "compute_slowdown_during_collective": float,
-      "compute_time_rel_std": float    # the spread of one unit's time, run after run (optional, 0)
+      "compute_time_rel_std": float,   # the spread of one unit's time, run after run (optional, 0)
+      "attention_kernel": "flash" | "math"   # the SDPA kernel the scenario's call ran (optional)
     }
     U = {forward_s, backward_s, recompute_s (block only, else 0), saved_activation_bytes,
          forward_transient_bytes, backward_transient_bytes}
@@ -122,6 +123,10 @@ class ComputeSection:
     # every rank at once: the default of ``simulation.compute_jitter`` (ranks drift apart and wait
     # for the late one at every collective); 0 in profiles calibrated before it was measured
     compute_time_rel_std: float = 0.0
+    # the SDPA kernel the scenario's own attention call ran when measured ("flash": a fused one,
+    # "math"): T5's float position-bias mask sends a CPU's SDPA to its math path, a causal
+    # Llama call to its flash kernel; None in profiles calibrated before it was recorded
+    attention_kernel: str | None = None
     # FSDP1's host work per unit (FullyShardedDataParallel's hooks and flat-parameter views), measured
     # the same way; None in profiles calibrated before it was measured
     fsdp1_forward_overhead_s: float | None = None
@@ -159,6 +164,7 @@ class ComputeSection:
                 "compute_slowdown_during_collective": self.compute_slowdown_during_collective,
                 "compute_time_rel_std": self.compute_time_rel_std,
             }
+            | ({"attention_kernel": self.attention_kernel} if self.attention_kernel is not None else {})
             | self._fsdp1_dict()
             | self._described_dict()
             | (
@@ -239,6 +245,7 @@ def parse_compute_section(data: Any, where: str) -> ComputeSection:
         host_overhead_in_step=r.get("host_overhead_in_step", bool),
         compute_slowdown_during_collective=r.number("compute_slowdown_during_collective", 1.0, 1.0),
         compute_time_rel_std=r.number("compute_time_rel_std", 0.0, 0.0),
+        attention_kernel=_attention_kernel(r),
         fsdp1_forward_overhead_s=fsdp1.number("forward") if fsdp1 is not None else None,
         fsdp1_backward_overhead_s=fsdp1.number("backward") if fsdp1 is not None else None,
         described_model=described,
@@ -276,6 +283,13 @@ def _deepspeed_layer(data: Any, r: JsonReader) -> dict[str, dict[str, float]]:
         stage: {phase: table.sub(stage).number(phase) for phase in ("forward", "backward")}
         for stage in table.data
     }
+
+
+def _attention_kernel(r: JsonReader) -> str | None:
+    kernel = r.get("attention_kernel", str, None)
+    if kernel is not None and kernel not in ("flash", "math"):
+        raise UserError(f"{r.where}: field compute.attention_kernel must be flash or math, got {kernel!r}")
+    return kernel
 
 
 def _described(data: Any, r: JsonReader, n_layers: int) -> tuple[DescribedModelKey | None, tuple[str, ...]]:
