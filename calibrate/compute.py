@@ -16,6 +16,10 @@ from sim.hardware.compute_section import (
 from sim.workload.description import finetune_fingerprint
 from sim.workload.model import ModelConfig, layer_params
 
+# an encoder-decoder's stacks (their block lists) and the config key of each one's depth: T5's,
+# the two stacks ``calibrate.hf_units`` can cut (a decoder's one stack is ``num_hidden_layers``)
+STACK_DEPTH_KEYS = {"encoder.block": "num_layers", "decoder.block": "num_decoder_layers"}
+
 
 @dataclass(frozen=True, kw_only=True)
 class ComputeTarget:
@@ -62,11 +66,11 @@ class ComputeTarget:
             return
         qlora = d.finetune is not None and d.finetune.method == "qlora"
         stacks = {b.rpartition(".")[0] for b in d.blocks}
-        other_stacks = len(stacks) > 1 and stacks != {"encoder.block", "decoder.block"}
+        other_stacks = len(stacks) > 1 and stacks != set(STACK_DEPTH_KEYS)
         if qlora or other_stacks:
             # QLoRA: bitsandbytes' 4-bit kernels are not what this host would run; measured on a
             # compute-dtype base, the scales would cancel the modelled dequantization. Two stacks:
-            # T5's (encoder.block, decoder.block) only, whose depth keys calibrate.hf_units knows
+            # T5's only, whose depth keys STACK_DEPTH_KEYS knows
             what = "fine-tuned with QLoRA" if qlora else "an encoder-decoder other than T5's two stacks"
             raise UserError(
                 f"calibrate compute: model {d.name} is {what}; it is timed by the kernel model only "

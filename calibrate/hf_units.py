@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from calibrate.compute import ComputeTarget
+from calibrate.compute import STACK_DEPTH_KEYS, ComputeTarget
 from calibrate.sweep import TORCH_DTYPES
 from calibrate.unit_timing import synced_now
 from sim.hardware.compute_section import UnitMeasurement
@@ -76,10 +76,6 @@ def _description(target: ComputeTarget) -> ModelDescription:
     return d
 
 
-# the config keys of each stack's depth, by the stack's block list: a decoder's, T5's two
-STACK_DEPTH_KEYS = {"encoder.block": "num_layers", "decoder.block": "num_decoder_layers"}
-
-
 def _config(target: ComputeTarget, depths: dict[str, int] | None = None) -> Any:
     """The description's own config; with ``depths`` (stack -> blocks) each stack cut to its
     first blocks, their kinds unchanged, since a block's kind follows its index."""
@@ -96,43 +92,21 @@ def _config(target: ComputeTarget, depths: dict[str, int] | None = None) -> Any:
     return hf_config(data)
 
 
-def _stacks(blocks: list[str]) -> dict[str, list[int]]:
-    """Each stack's block list path -> the indices (over all blocks) of its blocks, in order."""
-    stacks: dict[str, list[int]] = {}
-    for i, path in enumerate(blocks):
-        stacks.setdefault(path.rpartition(".")[0], []).append(i)
-    return stacks
-
-
-def _lora_settings(target: ComputeTarget) -> dict[str, Any] | None:
-    """The LoRA settings PEFT applies to the measured model (None for full training)."""
-    f = _description(target).finetune
-    if f is None:
-        return None
-    targets = f.target_modules
-    return {
-        "method": f.method,
-        "rank": f.rank,
-        "alpha": f.alpha,
-        "dropout": f.dropout,
-        "target_modules": list(targets) if isinstance(targets, tuple) else targets,
-    }
-
-
 def build_described(target: ComputeTarget, device: torch.device, dtype: torch.dtype) -> DescribedModel:
     """The real model with one decoder block per kind: built up to its last representative (on
     the device, random weights), then its block list cut to the representatives, as
     ``hfmodel.describe`` cuts the model it measures."""
-    from hfmodel.build import block_prefixes, build_causal_lm
+    from hfmodel.build import block_prefixes, block_stacks, build_causal_lm
     from hfmodel.describe import representatives
 
-    lora = _lora_settings(target)
+    f = _description(target).finetune
+    lora = f.lora_settings() if f is not None else None
     with torch.device("meta"):
         meta = build_causal_lm(_config(target), dtype)
     blocks = block_prefixes(meta)
     reps = representatives(meta, blocks, first_alone=lora is not None)
     kept = tuple(sorted(set(reps)))
-    stacks = _stacks(blocks)
+    stacks = block_stacks(blocks)
     # each stack built up to its last representative: its position in its own stack, plus one
     local = {stack: [indices.index(i) for i in kept if i in indices] for stack, indices in stacks.items()}
     cfg = _config(target, {stack: ks[-1] + 1 for stack, ks in local.items()})

@@ -64,6 +64,15 @@ def build_causal_lm(cfg: Any, dtype: torch.dtype = torch.float32, seed: int = 0)
     return model.train()
 
 
+def block_stacks(blocks: list[str]) -> dict[str, list[int]]:
+    """Each stack's block list path (``model.layers``; T5's ``encoder.block``, ``decoder.block``)
+    -> the indices, over all of ``blocks``, of its blocks, in order."""
+    stacks: dict[str, list[int]] = {}
+    for i, path in enumerate(blocks):
+        stacks.setdefault(path.rpartition(".")[0], []).append(i)
+    return stacks
+
+
 def block_prefixes(model: nn.Module) -> list[str]:
     """Module paths of the wrap units: the instances of the class's ``_no_split_modules``, in
     registration (forward) order, outermost only. An encoder-decoder has two stacks of them

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfmodel.build import block_prefixes, build_causal_lm, hf_config, is_encoder_decoder
+from hfmodel.build import block_prefixes, block_stacks, build_causal_lm, hf_config, is_encoder_decoder
 from hfmodel.finetune import FULL, apply_lora, frozen_params, quantized_params
 from hfmodel.probe import PROBE, ProbeRecorder
 from hfmodel.trace import HostCalls, OpRecord, Owners, SavedBytes, Tracer, finish
@@ -137,9 +137,7 @@ def _keep_representatives(model: nn.Module, cfg: Any, blocks: list[str], reps: l
     -> its path in the whole one."""
     modules = dict(model.named_modules())
     keep = set(reps)
-    stacks: dict[str, list[int]] = {}
-    for i, path in enumerate(blocks):
-        stacks.setdefault(path.rpartition(".")[0], []).append(i)
+    stacks = block_stacks(blocks)
     rename: dict[str, str] = {}
     for container_path, indices in stacks.items():
         kept = [i for i in indices if i in keep]

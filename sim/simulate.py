@@ -65,13 +65,6 @@ def _vectorised(scenario: Scenario) -> bool:
     return engine == "vector" or (engine == "auto" and scenario.parallel.world_size > VECTOR_RANKS)
 
 
-def attention_kernel(profile: HardwareProfile) -> str:
-    """The attention kernel the ops are costed with: the one the profile's compute calibration saw
-    the scenario's own attention call run, else the profile's."""
-    measured = profile.compute.attention_kernel if profile.compute is not None else None
-    return measured or profile.backend.attention_kernel
-
-
 def compute_jitter(scenario: Scenario, profile: HardwareProfile) -> float:
     """Each compute op's relative spread per rank: the scenario's ``simulation.compute_jitter``,
     else the spread the profile's compute calibration measured (0 without one)."""
@@ -125,7 +118,7 @@ def build_step(
         seq_len=training.seq_len,
         decoder_seq_len=training.decoder_seq_len,
         act_bytes=dtype_bytes(scenario.param_dtype),
-        attention_kernel=attention_kernel(profile),
+        attention_kernel=profile.attention_kernel,
         loss=training.loss,
     )
     ops = layer_ops(model, workload)

@@ -57,14 +57,7 @@ def finetune_settings(model: ModelConfig) -> dict[str, Any]:
     """The LoRA settings the model was described with, as ``hfmodel.finetune`` takes them."""
     f = model.description.finetune if model.description is not None else None
     assert f is not None
-    targets = list(f.target_modules) if isinstance(f.target_modules, tuple) else f.target_modules
-    return {
-        "method": f.method,
-        "rank": f.rank,
-        "alpha": f.alpha,
-        "dropout": f.dropout,
-        "target_modules": targets,
-    }
+    return f.lora_settings()
 
 
 def block_modules(model: nn.Module, scenario: Scenario) -> list[tuple[nn.Module, str, nn.Module]]:

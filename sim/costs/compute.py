@@ -262,7 +262,7 @@ def _analytic_costs(
     gpu_host = profile.compute is None and profile.backend.overlaps_comm_compute
     return ComputeCosts(
         kernels=_kernels(profile, dtype, lenders or {}),
-        attention_kernel=profile.backend.attention_kernel,
+        attention_kernel=profile.attention_kernel,
         copy_Bps=bandwidth / 2.0,  # a copy reads and writes every byte
         optimizer_s_per_element=OPTIMIZER_BYTES_PER_ELEMENT[optimizer] / bandwidth,
         host_op_s=device.host_op_overhead_s if gpu_host else 0.0,
@@ -316,7 +316,7 @@ def _measured_workload(
         micro_batch=compute.micro_batch,
         seq_len=compute.seq_len,
         act_bytes=dtype_bytes(compute.param_dtype),
-        attention_kernel=profile.backend.attention_kernel,
+        attention_kernel=profile.attention_kernel,
     )
     return layer_ops(model, workload), _analytic_costs(profile, compute.param_dtype, optimizer, where)
 

@@ -194,6 +194,14 @@ class HardwareProfile:
         return candidates[0] if candidates else None
 
     @property
+    def attention_kernel(self) -> str:
+        """The attention kernel ops are costed with: the one the compute calibration saw the
+        scenario's own attention call run (T5's float position-bias mask: a CPU's math path),
+        else the backend's."""
+        measured = self.compute.attention_kernel if self.compute is not None else None
+        return measured or self.backend.attention_kernel
+
+    @property
     def compute_slowdown_during_collective(self) -> float:
         """Slowdown of compute while a collective runs: calibrated where the profile has a compute
         section, else the device's published figure (1.0 without one)."""

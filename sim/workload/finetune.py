@@ -26,6 +26,7 @@ it costs. Pure functions; the ops themselves are measured with PEFT (``hfmodel.f
 
 from dataclasses import dataclass, replace
 from math import ceil
+from typing import Any
 
 from sim.dtypes import dtype_bytes
 from sim.workload.params import ParamSpec
@@ -50,6 +51,17 @@ class FinetuneFacts:
     quantized: frozenset[str]
     quant_storage: str = "bf16"
     double_quant: bool = True
+
+    def lora_settings(self) -> dict[str, Any]:
+        """The LoRA settings as ``hfmodel.finetune.apply_lora`` takes them (PEFT's ``LoraConfig``)."""
+        targets = self.target_modules
+        return {
+            "method": self.method,
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "target_modules": list(targets) if isinstance(targets, tuple) else targets,
+        }
 
 
 def packed_rows(numel: int, storage: str) -> int:
