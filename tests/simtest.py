@@ -2,12 +2,18 @@
 
 import copy
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.hardware.parse import profile_from_dict
 from sim.hardware.schema import HardwareProfile
-from sim.scenario.loader import scenario_from_dict
+from sim.scenario.loader import load_scenario, scenario_from_dict
 from sim.scenario.sections import Scenario
 
 
@@ -120,3 +126,41 @@ def outside_rank_env() -> dict[str, str]:
     return {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
     }
+
+
+def run_calibrate(*args: str, timeout: float = 300) -> "subprocess.CompletedProcess[str]":
+    """``python -m calibrate ...`` in a fresh process from the repository root, as a user runs it."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "calibrate", *args]
+    return subprocess.run(
+        cmd, cwd=root, env=outside_rank_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def description_cache(name: str) -> Any:
+    """A module-scoped ``folder`` fixture: a temporary folder (``name``) for a test module's scenarios
+    of Hugging Face configs, their descriptions cached in it (``FSDPSIM_CACHE_DIR``, which the
+    ranks a calibration starts inherit)."""
+
+    @pytest.fixture(scope="module")
+    def folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+        path = tmp_path_factory.mktemp(name)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FSDPSIM_CACHE_DIR", str(path / "cache"))
+            yield path
+
+    return folder
+
+
+def compute_target(scenario: Path, world_size: int = 2) -> Any:
+    """What ``calibrate compute`` measures for the scenario file (``calibrate.compute.ComputeTarget``)."""
+    from calibrate.compute import ComputeTarget
+
+    sc = load_scenario(scenario)
+    return ComputeTarget(
+        model=sc.model,
+        micro_batch=sc.training.micro_batch,
+        seq_len=sc.training.seq_len,
+        param_dtype=sc.precision.param_dtype,
+        world_size=world_size,
+    )

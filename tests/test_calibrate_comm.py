@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import simtest
 from simtest import outside_rank_env
 
 from calibrate.cli import main
@@ -24,16 +25,7 @@ SMALL = ["--max-bytes", "64K", "--iters", "3", "--max-iters", "5", "--warmup", "
 
 
 def run_calibrate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``python -m calibrate ...`` in a fresh process, as a user runs it."""
-    env = outside_rank_env()
-    return subprocess.run(
-        [sys.executable, "-m", "calibrate", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return simtest.run_calibrate(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

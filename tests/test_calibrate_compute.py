@@ -2,14 +2,12 @@
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from simtest import outside_rank_env
+from simtest import run_calibrate
 
 from calibrate.compute import ComputeTarget
 from calibrate.memtrack import SavedTensorBytes, peak_above_start
@@ -29,12 +27,6 @@ TINY = ROOT / "scenarios" / "tiny.toml"
 CPU = torch.device("cpu")
 
 
-def run_calibrate(*args: str) -> subprocess.CompletedProcess[str]:
-    env = outside_rank_env()
-    cmd = [sys.executable, "-m", "calibrate", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-
-
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A datasheet profile with a compute section measured for scenarios/tiny.toml by 2 ranks."""
@@ -42,7 +34,9 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = copy.deepcopy(BUILTIN_PROFILES["h100-sxm"])
     base["name"] = "cpu-test"
     path.write_text(json.dumps(base))
-    proc = run_calibrate("compute", str(TINY), "--profile", str(path), "--nproc", "2", "--reps", "2")
+    proc = run_calibrate(
+        "compute", str(TINY), "--profile", str(path), "--nproc", "2", "--reps", "2", timeout=180
+    )
     assert proc.returncode == 0, proc.stderr
     return path
 
@@ -221,7 +215,9 @@ def test_gpu_compute_of_the_tiny_preset(tmp_path: Path) -> None:
     path = tmp_path / "gpu.json"
     base = copy.deepcopy(BUILTIN_PROFILES["h100-sxm"])
     path.write_text(json.dumps(base))
-    proc = run_calibrate("compute", str(TINY), "--profile", str(path), "--nproc", "1", "--reps", "3")
+    proc = run_calibrate(
+        "compute", str(TINY), "--profile", str(path), "--nproc", "1", "--reps", "3", timeout=180
+    )
     assert proc.returncode == 0, proc.stderr
     c = load_profile(str(path)).compute
     assert c is not None and c.units["block"].forward_s > 0

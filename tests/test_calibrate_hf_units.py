@@ -4,17 +4,13 @@ and refused for any other model."""
 
 import copy
 import json
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from simtest import outside_rank_env
+from simtest import compute_target, description_cache, run_calibrate
 
 from calibrate import hf_units
-from calibrate.compute import ComputeTarget
 from sim.cli.main import main as fsdpsim_main
 from sim.costs.compute import build_compute_costs
 from sim.hardware.builtin import BUILTIN_PROFILES
@@ -41,24 +37,7 @@ def _scenario(folder: Path, config: str, dtype: str = "bf16") -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Scenarios of tiny configs, their descriptions cached in the folder (the ranks' too)."""
-    path = tmp_path_factory.mktemp("hf-units")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FSDPSIM_CACHE_DIR", str(path / "cache"))
-        yield path
-
-
-def _target(scenario: Path) -> ComputeTarget:
-    sc = load_scenario(scenario)
-    return ComputeTarget(
-        model=sc.model,
-        micro_batch=sc.training.micro_batch,
-        seq_len=sc.training.seq_len,
-        param_dtype=sc.precision.param_dtype,
-        world_size=2,
-    )
+folder = description_cache("hf-units")
 
 
 @pytest.mark.parametrize(
@@ -72,7 +51,7 @@ def _target(scenario: Path) -> ComputeTarget:
 def test_the_units_are_the_models_own_one_block_per_kind(
     folder: Path, config: str, block_units: tuple[str, ...], experts: list[bool]
 ) -> None:
-    target = _target(_scenario(folder, config))
+    target = compute_target(_scenario(folder, config))
     dm = hf_units.build_described(target, CPU, torch.bfloat16)
     assert dm.block_units == block_units
     assert dm.kept == tuple(int(u.removeprefix("block.")) for u in dict.fromkeys(block_units))
@@ -87,12 +66,6 @@ def test_the_units_are_the_models_own_one_block_per_kind(
     for name, u in measured.items():
         assert u.forward_s > 0 and u.backward_s > 0, name
         assert (u.recompute_s > 0) == name.startswith("block."), name
-
-
-def run_calibrate(*args: str) -> subprocess.CompletedProcess[str]:
-    env = outside_rank_env()
-    cmd = [sys.executable, "-m", "calibrate", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

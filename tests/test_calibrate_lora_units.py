@@ -4,17 +4,13 @@ LoRA settings, and every mismatch (full training, other settings, QLoRA) refused
 
 import copy
 import json
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from simtest import outside_rank_env
+from simtest import compute_target, description_cache, run_calibrate
 
 from calibrate import hf_units
-from calibrate.compute import ComputeTarget
 from sim.cli.main import main as fsdpsim_main
 from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.scenario.loader import load_scenario
@@ -39,19 +35,7 @@ def _scenario(folder: Path, name: str, finetune: str | None) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("lora-units")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FSDPSIM_CACHE_DIR", str(path / "cache"))
-        yield path
-
-
-def _target(scenario: Path) -> ComputeTarget:
-    sc = load_scenario(scenario)
-    return ComputeTarget(
-        model=sc.model, micro_batch=1, seq_len=32, param_dtype=sc.precision.param_dtype, world_size=2
-    )
+folder = description_cache("lora-units")
 
 
 def test_the_fingerprint_names_the_settings_and_tells_them_apart(folder: Path) -> None:
@@ -65,7 +49,7 @@ def test_the_fingerprint_names_the_settings_and_tells_them_apart(folder: Path) -
 
 
 def test_the_measured_model_trains_only_its_adapters_and_times_every_unit(folder: Path) -> None:
-    target = _target(_scenario(folder, "lora", LORA))
+    target = compute_target(_scenario(folder, "lora", LORA))
     dm = hf_units.build_described(target, CPU, torch.bfloat16)
     # the first block alone (its input needs no gradient), the second its own kind
     assert dm.block_units == ("block.0", "block.1")
@@ -85,11 +69,6 @@ def test_the_measured_model_trains_only_its_adapters_and_times_every_unit(folder
         assert measured[name].forward_s > 0 and measured[name].backward_s > 0, name
     # the frozen embedding has no backward; the first block's backward is the rest of the step's
     assert measured["embed"].backward_s == 0.0
-
-
-def run_calibrate(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "calibrate", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=outside_rank_env(), capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -4,20 +4,15 @@ refused for another decoder length."""
 
 import copy
 import json
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from simtest import outside_rank_env
+from simtest import compute_target, description_cache, run_calibrate
 
 from calibrate import hf_units
-from calibrate.compute import ComputeTarget
 from sim.cli.main import main as fsdpsim_main
 from sim.hardware.builtin import BUILTIN_PROFILES
-from sim.scenario.loader import load_scenario
 
 pytestmark = pytest.mark.slow  # real torch.distributed processes
 
@@ -37,21 +32,11 @@ def _scenario(folder: Path, decoder_seq_len: int) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("t5-units")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FSDPSIM_CACHE_DIR", str(path / "cache"))
-        yield path
-
-
-def _target(scenario: Path) -> ComputeTarget:
-    sc = load_scenario(scenario)
-    return ComputeTarget(model=sc.model, micro_batch=1, seq_len=32, param_dtype="fp32", world_size=2)
+folder = description_cache("t5-units")
 
 
 def test_both_stacks_keep_one_block_per_kind(folder: Path) -> None:
-    target = _target(_scenario(folder, 16))
+    target = compute_target(_scenario(folder, 16))
     dm = hf_units.build_described(target, CPU, torch.float32)
     # tiny-t5: 3 encoder blocks, 2 decoder blocks; each stack's first block holds the relative
     # position bias, so it is a kind of its own; the decoder's blocks follow the encoder's
@@ -72,11 +57,6 @@ def test_both_stacks_keep_one_block_per_kind(folder: Path) -> None:
     for name, u in measured.items():
         assert u.forward_s > 0 and u.backward_s > 0, name
         assert (u.recompute_s > 0) == name.startswith("block."), name
-
-
-def run_calibrate(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "calibrate", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=outside_rank_env(), capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
