@@ -64,8 +64,9 @@ def _measure(
     extra |= {
         "fsdp_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, copy_Bps),
     }
-    if not target.finetuned:  # FSDP1 trains LoRA models only with use_orig_params: not modelled
-        extra["fsdp1_unit_overhead"] = fsdp_overhead.unit_overhead(target, device, reps, copy_Bps, version=1)
+    # FSDP1's hooks per unit, measured on a chain of trained blocks; a LoRA model's units (PEFT's
+    # wrap: frozen blocks and adapters) are charged the same per unit (their own not measured)
+    extra["fsdp1_unit_overhead"] = fsdp_overhead.unit_overhead(target, device, reps, copy_Bps, version=1)
     if target.deepspeed_config is not None and device.type == "cpu":
         from calibrate import deepspeed_overhead
 

@@ -118,12 +118,15 @@ def _copy_bytes(target: ComputeTarget, world: int, param_bytes: int) -> tuple[in
 def _fsdp1_copy_bytes(target: ComputeTarget, world: int, param_bytes: int) -> tuple[int, int]:
     """Bytes of the copies ``sim.schedule.fsdp1`` charges one layer in forward (the cast into the
     low-precision shard) and in backward (the flat gradient's concatenation, the cast to the fp32
-    reduce dtype), at the calibration's settings (reduce in fp32, ``use_orig_params=False``)."""
+    reduce dtype), at the calibration's settings (reduce in fp32, ``use_orig_params=False``); under
+    LoRA only the adapters have flat gradients."""
     flat = sum(math.prod(s) for s in target.block_param_shapes())
     padded = math.ceil(flat / world) * world
     forward = padded // world * max(param_bytes, 4) if param_bytes != 4 else 0
-    backward = flat * param_bytes + (flat * 4 if param_bytes != 4 else 0)
-    backward += padded * 4 if padded > flat else 0
+    grads = sum(math.prod(s) for s in target.block_param_shapes(trainable_only=target.finetuned))
+    padded_grads = math.ceil(grads / world) * world
+    backward = grads * param_bytes + (grads * 4 if param_bytes != 4 else 0)
+    backward += padded_grads * 4 if padded_grads > grads else 0
     return forward, backward
 
 
@@ -147,7 +150,8 @@ def _fsdp1_chain(target: ComputeTarget, device: torch.device) -> torch.nn.Module
 
     chain = _chain(target, device, torch.float32)
     compute = TORCH_DTYPES[target.param_dtype]
-    layers = {id(layer) for layer in chain.layers}
+    # each layer, and under LoRA each adapter (PEFT's policy, as ``parallel.wrap = "peft"``)
+    layers = {id(layer) for layer in chain.layers} | {id(m) for m in _adapters(chain)}
     # cast_forward_inputs: the chain hands each layer fp32 rotary tables, as FSDP2's policy casts them
     mp = (
         MixedPrecision(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=True)
@@ -159,6 +163,19 @@ def _fsdp1_chain(target: ComputeTarget, device: torch.device) -> torch.nn.Module
         auto_wrap_policy=partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in layers),
         mixed_precision=mp,
         device_id=device,
+    )
+
+
+def _adapters(chain: torch.nn.Module) -> list[torch.nn.Module]:
+    """The leaf modules with a trainable weight (LoRA's adapters; none in full training)."""
+    return (
+        [
+            m
+            for m in chain.modules()
+            if not list(m.children()) and getattr(m, "weight", None) is not None and m.weight.requires_grad
+        ]
+        if any(not p.requires_grad for p in chain.parameters())
+        else []
     )
 
 
@@ -180,12 +197,14 @@ def unit_overhead(
     world = dist.get_world_size() if dist.is_initialized() else 1
     copy_bytes = _copy_bytes if version == 2 else _fsdp1_copy_bytes
     copies = copy_bytes(target, world, compute.itemsize)
+    # FSDP1 under LoRA: a layer is its block's unit and its adapters'; each unit is charged a share
+    units_per_layer = 1 + (len(_adapters(plain)) // CHAIN if version == 1 else 0)
     out: dict[str, float] = {}
     for index, phase in enumerate(("forward", "backward")):
         extra = statistics.fmean(t[index] for t in samples["fsdp"]) - statistics.fmean(
             t[index] for t in samples["plain"]
         )
-        out[f"{phase}_raw_s"] = extra / CHAIN - copies[index] / copy_Bps
+        out[f"{phase}_raw_s"] = (extra / CHAIN - copies[index] / copy_Bps) / units_per_layer
         out[f"{phase}_s"] = max(0.0, out[f"{phase}_raw_s"])
     return out
 

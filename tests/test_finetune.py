@@ -185,8 +185,8 @@ def test_finetune_settings_are_checked(tmp_path: Path) -> None:
         load_scenario(_qlora(tmp_path, 'quant_storage = "fp16"\n'))
     with pytest.raises(UserError, match="finetune.dropout must be in"):
         load_scenario(_scenario(tmp_path, LORA + "dropout = 1.5\n"))
-    with pytest.raises(UserError, match="modelled under FSDP2 and DDP only"):
-        load_scenario(_scenario(tmp_path, LORA), ["parallel.fsdp_version=1"])
+    with pytest.raises(UserError, match="not DeepSpeed"):
+        load_scenario(_scenario(tmp_path, LORA), ["deepspeed.enabled=true"])
     with pytest.raises(UserError, match="finetune.method = 'dora' is not allowed"):
         load_scenario(_scenario(tmp_path, '[finetune]\nmethod = "dora"\n'))
     with pytest.raises(UserError, match="precision.param_dtype = 'uint8' is not allowed"):

@@ -292,7 +292,7 @@ def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, A
         with contextlib.nullcontext() if real else FakeTensorMode(), _kernels(real):
             with _post_forward_meshes_outside_fake_mode():
                 trainer = FakeTrainer(scenario, mesh)
-            with one_sequence_per_row(trainer.model):
+            with one_sequence_per_row(trainer.model), catch_all_reshard_by_storage():
                 with KernelRecorder() as recorder:
                     trainer.step(0)  # untracked: creates the optimizer state
                 if scenario.parallel.fsdp_version == 1:
@@ -308,6 +308,38 @@ def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, A
         "kernels": {**recorder.kernels, "attention_kernel": attention_kernel(recorder.kernels)},
         "peak_at": where,
     }
+
+
+@contextlib.contextmanager
+def catch_all_reshard_by_storage() -> Iterator[None]:
+    """FSDP1's final callback reshards what no hook did (``_catch_all_reshard``: a frozen flat
+    parameter whose unit's inputs need no gradient) unless ``flat_param.data_ptr()`` is already its
+    local shard's; every fake tensor's pointer is 0, so in fake mode it never reshards and the
+    unsharded parameters live into the next step. The same test by storage identity, which fake
+    tensors keep; the reshard itself is FSDP1's."""
+    from torch.distributed.fsdp import _runtime_utils
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    original = _runtime_utils._catch_all_reshard
+
+    def by_storage(state: Any) -> None:
+        handle = state._handle
+        if not handle:
+            return
+        flat = handle.flat_param
+        same = (
+            StorageWeakRef(flat.untyped_storage()).cdata
+            == StorageWeakRef(flat._local_shard.untyped_storage()).cdata
+        )
+        if same and not handle._skipped_use_sharded_views:
+            return
+        _runtime_utils._reshard(state, handle, _runtime_utils._should_free_in_backward(state, handle))
+
+    _runtime_utils._catch_all_reshard = by_storage
+    try:
+        yield
+    finally:
+        _runtime_utils._catch_all_reshard = original
 
 
 @contextlib.contextmanager

@@ -110,6 +110,18 @@ HF_MATRIX: list[tuple[str, list[str]]] = [
             "finetune.target_modules=all-linear",
         ],
     ),
+    (  # FSDP1 with PEFT's fsdp_auto_wrap_policy: frozen blocks, every adapter its own FlatParameter
+        "hf tiny-qwen2 (dense) LoRA r8 all-linear FSDP1 FULL_SHARD peft wrap fp32",
+        [
+            f"{_HF}tiny-qwen2.json",
+            "finetune.method=lora",
+            "finetune.rank=8",
+            "finetune.alpha=16",
+            "finetune.target_modules=all-linear",
+            "parallel.fsdp_version=1",
+            "parallel.wrap=peft",
+        ],
+    ),
     # an encoder-decoder: 3 encoder and 2 decoder blocks, relative position bias, the decoder as
     # long as the encoder
     ("hf tiny-t5 (encoder-decoder) FULL_SHARD block fp32", [f"{_HF}tiny-t5.json"]),
@@ -160,6 +172,17 @@ MEMORY_MATRIX: list[tuple[str, list[str]]] = [
         [*_FSDP1, *_BF16, "fsdp1.use_orig_params=true", "fsdp1.backward_prefetch=BACKWARD_POST"],
     ),
     ("FSDP1 Llama-3-70B, 64 ranks, bf16", [*_FSDP1, *_70B, *_BF16]),
+    (  # PEFT's LoRA (r16 on q_proj, v_proj) with PEFT's wrap policy; fp32, as FSDP1 + PEFT runs without autocast
+        "FSDP1 Llama-2-7B, 8 ranks, fp32, LoRA r16, PEFT's wrap",
+        [
+            *_FSDP1,
+            *_FP32,
+            "parallel.wrap=peft",
+            "finetune.method=lora",
+            "finetune.rank=16",
+            "finetune.alpha=32",
+        ],
+    ),
 ]
 
 

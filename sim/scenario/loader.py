@@ -23,7 +23,8 @@ from sim.scenario.expert_check import check_expert_parallel
 from sim.scenario.hf_model import describe_config, library, library_entry, llama_config_file
 from sim.scenario.sections import ENGINES, SECTIONS, ClusterSection, FinetuneSection, ModelSection, Scenario
 from sim.workload.model import PRESETS, ModelConfig, preset
-from sim.workload.options import FinetuneMethod, Strategy
+from sim.workload.options import FinetuneMethod, Strategy, WrapPolicy
+from sim.workload.units import build_units
 
 
 def _type_name(tp: Any) -> str:
@@ -340,18 +341,71 @@ def _check_precision(precision: Any, where: str) -> None:
 
 
 def _check_finetune_system(s: Scenario, where: str) -> None:
-    """LoRA and accumulation without sync are modelled in the FSDP2 and DDP schedules only."""
-    other = s.parallel.fsdp_version == 1 or s.deepspeed.enabled
-    if other and s.finetune.lora:
+    """LoRA is modelled in the FSDP2, DDP and (LoRA only) FSDP1 schedules; accumulation without
+    sync in the FSDP2 and DDP ones."""
+    fsdp1 = s.parallel.fsdp_version == 1 and not s.deepspeed.enabled
+    if s.parallel.wrap is WrapPolicy.PEFT and not (fsdp1 and s.finetune.method is FinetuneMethod.LORA):
         raise UserError(
-            f"{where}: finetune.method = {s.finetune.method.value!r} is modelled under FSDP2 and DDP only "
-            "(parallel.fsdp_version = 2, deepspeed.enabled = false)"
+            f"{where}: parallel.wrap = \"peft\" is PEFT's FSDP1 policy for LoRA's adapters; it needs "
+            'parallel.fsdp_version = 1 and finetune.method = "lora"'
         )
+    if fsdp1 and s.finetune.lora:
+        _check_fsdp1_lora(s, where)
+    elif s.deepspeed.enabled and s.finetune.lora:
+        raise UserError(
+            f"{where}: finetune.method = {s.finetune.method.value!r} is modelled under FSDP2, DDP and "
+            "FSDP1 (lora), not DeepSpeed (deepspeed.enabled = false)"
+        )
+    other = s.parallel.fsdp_version == 1 or s.deepspeed.enabled
     if other and not s.training.sync_every_microbatch:
         raise UserError(
             f"{where}: training.sync_every_microbatch = false is modelled under FSDP2 and DDP only "
             "(parallel.fsdp_version = 2, deepspeed.enabled = false)"
         )
+
+
+def _check_fsdp1_lora(s: Scenario, where: str) -> None:
+    """FSDP1 flattens each unit into one ``FlatParameter``: one dtype, and (``use_orig_params =
+    false``) one ``requires_grad``, else ``FullyShardedDataParallel`` refuses; with
+    ``use_orig_params = true`` a unit mixing frozen and trainable weights computes, reduce-scatters
+    and keeps gradients of the frozen ones too (their views share the flat parameter's
+    ``requires_grad``), which the LoRA description does not hold."""
+    if s.finetune.method is not FinetuneMethod.LORA:
+        raise UserError(
+            f"{where}: finetune.method = {s.finetune.method.value!r} is modelled under FSDP2 and DDP "
+            '(parallel.fsdp_version = 2); FSDP1 models finetune.method = "lora"'
+        )
+    if s.fsdp1.cpu_offload:
+        raise UserError(f'{where}: fsdp1.cpu_offload with finetune.method = "lora" is not modelled')
+    if s.param_dtype != "fp32":
+        # measured: a real 2-rank gloo step of PEFT's fp32 adapters over a bf16 base under
+        # MixedPrecision(param_dtype=bf16) fails in its first forward ("expected m1 and m2 to have
+        # the same dtype"): PEFT casts an adapter's input to the dtype its sharded fp32 weight shows,
+        # FSDP1 hands the matmul the bf16 unsharded one
+        raise UserError(
+            f'{where}: FSDP1 with finetune.method = "lora" and precision.param_dtype = {s.param_dtype!r} '
+            "fails in the real system without autocast (PEFT casts each adapter's input to its fp32 "
+            'shard\'s dtype, FSDP1 computes with the low-precision weight); modelled: param_dtype = "fp32"'
+        )
+    for unit in build_units(s.model, s.parallel.wrap):
+        label = "the root" if unit.is_root else f"unit {unit.name}"
+        if len({p.trainable for p in unit.params}) > 1:
+            why = (
+                "with fsdp1.use_orig_params = true FSDP1 computes and reduces the frozen weights' "
+                "gradients too, which is not modelled"
+                if s.fsdp1.use_orig_params
+                else "FSDP1 flattens only tensors of one requires_grad without fsdp1.use_orig_params"
+            )
+            raise UserError(
+                f"{where}: {label} mixes frozen and trainable parameters: {why}; set "
+                'parallel.wrap = "peft" (PEFT\'s fsdp_auto_wrap_policy: every adapter its own unit)'
+            )
+        dtypes = sorted({p.dtype or "fp32" for p in unit.params})  # trainable ones: fp32 masters
+        if len(dtypes) > 1:
+            raise UserError(
+                f"{where}: FSDP1 cannot flatten {label}: its parameters are {' and '.join(dtypes)} "
+                "(FSDP1 flattens only tensors of one dtype)"
+            )
 
 
 def _check_finetune(f: FinetuneSection, param_dtype: str, where: str) -> None:

@@ -21,7 +21,12 @@ per wrapped module (``fsdp/_flat_param.py``):
   ``_saved_grad_shard``. NO_SHARD all-reduces the whole flat gradient instead. The unsharded
   gradients live until the reduction has consumed them (``record_stream``).
 - the root's final callback makes the compute stream wait for the post-backward and all-reduce
-  streams.
+  streams, and ``_catch_all_reshard`` frees what no hook resharded.
+- A frozen ``FlatParameter`` (LoRA's base under PEFT's wrap policy, ``requires_grad=False``) has
+  no post-backward hook and no gradient: ``_register_post_backward_reshard_only_hook`` reshards it
+  once its unit's inputs have their gradients, i.e. right after its backward; where no input needs
+  one (the first block, fed by the frozen embedding; the root) the final callback's catch-all does.
+  Its unsharded flat parameter is in its own dtype, cast only where that differs from ``param_dtype``.
 Collectives of one process group run one at a time in issue order (one communicator).
 """
 
@@ -33,7 +38,7 @@ from sim.core.events import OpKind, Stream
 from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.schedule.base import Activations, ScheduleBuilder, UnitLayout
-from sim.schedule.model_state import numel_per_rank
+from sim.schedule.model_state import numel_per_rank, unit_stored_bytes
 from sim.schedule.step import StepConfig
 from sim.workload.options import BackwardPrefetch, Fsdp1Options
 from sim.workload.units import ROOT
@@ -67,7 +72,10 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         self.sharded = cfg.sharded and cfg.shard_size > 1
         self.reduce_group = GroupKind.SHARD if cfg.sharded else GroupKind.REPLICATE
         self.w = cfg.shard_size if self.sharded else 1
-        self.mixed = cfg.param_bytes != cfg.master_bytes
+        # the flat parameter's own dtype (uniform within a unit), and whether it trains
+        self.stored = {u.name: unit_stored_bytes(cfg, u) for u in cfg.units}
+        self.trains = {u.name: any(p.trainable for p in u.params) for u in cfg.units}
+        self.catch_all: list[str] = []  # frozen units the final callback's catch-all reshards
         self.free_events: deque[int] = deque()  # the rate limiter's queue of free events
         self.last_unshard: int | None = None  # the unshard stream's last op: what compute waits for
         self.unshard_after: int | None = None  # the unshard streams wait for this compute op
@@ -124,7 +132,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         deps: tuple[int, ...] = (self.unshard_after,) if self.unshard_after is not None else ()
         shard = self.layout.padded[unit] // self.w
         if not self.sharded:
-            if self.mixed:
+            if self._mixed(unit):
                 self._cast_unsharded(unit, shard, deps)
             return
         allocs, frees, cast_s, deps = self._pre_unshard(unit, shard, deps)
@@ -146,6 +154,10 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         )
         mb.unsharded[unit] = label
 
+    def _mixed(self, unit: str) -> bool:
+        """``_uses_param_mixed_precision``: the flat parameter's dtype is not ``param_dtype``."""
+        return self.stored[unit] != self.cfg.param_bytes
+
     def _pre_unshard(
         self, unit: str, shard: int, deps: tuple[int, ...]
     ) -> tuple[list[Alloc], list[str], float, tuple[int, ...]]:
@@ -159,11 +171,11 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
             copy = self.label("offloaded_shard_on_device", unit, mb.index)
             deps = (self._h2d(unit, shard * cfg.master_bytes, copy, deps),)
             frees.append(copy)
-        if self.mixed:
+        if self._mixed(unit):
             cast = self.label("mp_shard", unit, mb.index)
             allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=shard * cfg.param_bytes))
             frees.append(cast)
-            cast_s = cfg.costs.copy_s(shard * max(cfg.param_bytes, cfg.master_bytes))
+            cast_s = cfg.costs.copy_s(shard * max(cfg.param_bytes, self.stored[unit]))
         return allocs, frees, cast_s, deps
 
     def _cast_unsharded(self, unit: str, numel: int, deps: tuple[int, ...]) -> None:
@@ -176,7 +188,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
             name=f"cast {unit}",
             unit=unit,
             microbatch=mb.index,
-            duration_s=cfg.costs.copy_s(numel * cfg.master_bytes),
+            duration_s=cfg.costs.copy_s(numel * self.stored[unit]),
             deps=self.issued(deps),
             allocs=(Alloc(label=label, category=Mem.PARAMS, bytes=numel * cfg.param_bytes),),
         )
@@ -213,7 +225,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         done, and queue that free for the rate limiter; NO_SHARD frees its low-precision copy."""
         mb = self.mb
         mb.prefetched.discard(unit)
-        low_precision_no_shard = not self.sharded and self.mixed
+        low_precision_no_shard = not self.sharded and self._mixed(unit)
         if unit not in mb.unsharded or not (free or low_precision_no_shard):
             return
         self.program.add_frees(after, mb.unsharded.pop(unit))
@@ -302,17 +314,41 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
             if self.checkpointed(i) and seg.block not in recomputed:
                 self.recompute_block(seg.block, mb.index, mb)  # type: ignore[arg-type]
                 recomputed.add(seg.block)  # type: ignore[arg-type]
-            grads = self.label("view_grads", seg.unit, mb.index)
-            mb.view_grads[seg.unit].append(grads)
-            grad_bytes = sum(p.numel for p in cfg.gradient_params[i]) * cfg.param_bytes
-            self._compute(
-                self.backward_segment(
-                    i, mb.index, mb, end_allocs=(Alloc(label=grads, category=Mem.GRADS, bytes=grad_bytes),)
-                )
-            )
+            grad_bytes = sum(p.numel for p in cfg.gradient_params[i] if p.trainable) * cfg.param_bytes
+            end_allocs: tuple[Alloc, ...] = ()
+            if self.trains[seg.unit]:
+                grads = self.label("view_grads", seg.unit, mb.index)
+                mb.view_grads[seg.unit].append(grads)
+                end_allocs = (Alloc(label=grads, category=Mem.GRADS, bytes=grad_bytes),)
+            op = self._compute(self.backward_segment(i, mb.index, mb, end_allocs=end_allocs))
             if i == layout.first_seg[seg.unit]:
-                self._post_backward(seg.unit)
-        self.compute_waits = list(self.reductions)  # the final callback
+                if self.trains[seg.unit]:
+                    self._post_backward(seg.unit)
+                else:
+                    self._post_backward_reshard_only(seg.unit, op)
+        self._final_callback()
+
+    def _post_backward_reshard_only(self, unit: str, after: int) -> None:
+        """A frozen flat parameter: no gradient to reduce; resharded (and ``BACKWARD_POST``
+        prefetching) by the hook on its inputs' gradients, or, with none, by the catch-all."""
+        if not self.layout.needs_grad[unit]:
+            self.catch_all.append(unit)
+            return
+        self.host(
+            f"fsdp1 post-backward reshard {unit}", unit, self.mb.index, self.cfg.costs.fsdp_backward_host_s
+        )
+        self._reshard(unit, free=self.sharded, after=after)
+        if self.opts.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch_backward(unit)
+
+    def _final_callback(self) -> None:
+        """The root's final callback: the compute stream waits for the reductions, then
+        ``_catch_all_reshard`` frees what no hook resharded."""
+        self.compute_waits = list(self.reductions)
+        if self.catch_all and self.last_compute is not None:
+            for unit in self.catch_all:
+                self._reshard(unit, free=self.sharded, after=self.last_compute)
+        self.catch_all = []
 
     def _post_backward(self, unit: str) -> None:
         """The flat gradient (autograd concatenates the views' gradients), the post-backward

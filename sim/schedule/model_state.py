@@ -8,7 +8,8 @@ and keeps fp32 shards of parameters, gradients and every optimizer state; FSDP1 
 ``FlatParameter`` instead (``StepConfig.padded_numel``) and keeps the same fp32 shards; DDP keeps
 all of them whole, plus its gradient buckets (``gradient_as_bucket_view=False``: a second copy of
 the gradients in ``reduce_dtype``). A frozen parameter (LoRA's base, FSDP2 and DDP) is stored in its
-own dtype with no gradient and no optimizer state; QLoRA's quantization state is whole on every rank.
+own dtype with no gradient and no optimizer state (FSDP1: a frozen unit's whole ``FlatParameter``);
+QLoRA's quantization state is whole on every rank.
 FSDP1's ``CPUOffload`` and FSDP2's ``CPUOffloadPolicy`` keep the shards and states in host memory
 (``host_bytes``), except where the device is the host.
 """
@@ -47,20 +48,34 @@ def stored_bytes(step: StepConfig, p: ParamSpec) -> int:
     return step.master_bytes if p.dtype is None else dtype_bytes(p.dtype)
 
 
+def unit_stored_bytes(step: StepConfig, unit: WrapUnit) -> int:
+    """Bytes per element of an FSDP1 unit's ``FlatParameter``: its parameters' one dtype (FSDP1
+    flattens only tensors of a uniform dtype, which the scenario's checks ensure)."""
+    return max(stored_bytes(step, p) for p in unit.params) if unit.params else step.master_bytes
+
+
+def _fsdp1_trains(unit: WrapUnit) -> bool:
+    """FSDP1: the ``FlatParameter`` requires a gradient (uniform within a unit, the checks ensure)."""
+    return any(p.trainable for p in unit.params)
+
+
 def unit_numel_per_rank(step: StepConfig, unit: WrapUnit) -> int:
     """Trainable elements of ``unit`` one rank holds (those with gradients and optimizer states):
     its padded shard under FSDP, all of it under NO_SHARD."""
     w = _shard_size(step)
-    if step.fsdp1 is not None:  # one FlatParameter (LoRA is modelled for FSDP2 and DDP only)
-        return step.padded_numel(unit) // w
+    if step.fsdp1 is not None:  # one FlatParameter, trained or frozen as a whole
+        return step.padded_numel(unit) // w if _fsdp1_trains(unit) else 0
     if step.expert_params:  # expert parallelism (full training only): local experts over world / E
         return sum(n // s for n, s in map(step.param_sharding, unit.params))
     return sum(padded_numel(p, w) for p in unit.params if p.trainable) // w
 
 
 def unit_frozen_bytes_per_rank(step: StepConfig, unit: WrapUnit) -> int:
-    """Bytes of ``unit``'s frozen parameters one rank holds, in their own dtypes."""
+    """Bytes of ``unit``'s frozen parameters one rank holds, in their own dtypes (FSDP1: a frozen
+    unit's padded ``FlatParameter`` shard)."""
     w = _shard_size(step)
+    if step.fsdp1 is not None:
+        return 0 if _fsdp1_trains(unit) else step.padded_numel(unit) // w * unit_stored_bytes(step, unit)
     return sum(padded_numel(p, w) // w * stored_bytes(step, p) for p in unit.params if not p.trainable)
 
 

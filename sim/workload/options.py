@@ -31,11 +31,15 @@ class Strategy(StrEnum):
 
 
 class WrapPolicy(StrEnum):
-    """Which modules get their own ``fully_shard``: none (the model), each decoder block, each linear."""
+    """Which modules get their own ``fully_shard``: none (the model), each decoder block, each linear;
+    or, for FSDP1 with LoRA, PEFT's ``fsdp_auto_wrap_policy`` (each decoder block and each leaf
+    module whose weight trains, i.e. every adapter: FSDP1 without ``use_orig_params`` flattens only
+    parameters of one ``requires_grad`` into a ``FlatParameter``)."""
 
     MODEL = "model"
     BLOCK = "block"
     LINEAR = "linear"
+    PEFT = "peft"
 
 
 class CheckpointMode(StrEnum):

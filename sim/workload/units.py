@@ -95,16 +95,37 @@ def unit_prefixes(cfg: ModelConfig, wrap: WrapPolicy) -> list[str]:
     """Module paths of the non-root units, in the order ``fully_shard`` is applied (forward order)."""
     if wrap is WrapPolicy.MODEL:
         return []
-    if wrap is WrapPolicy.BLOCK:
+    if wrap in (WrapPolicy.BLOCK, WrapPolicy.PEFT):
         if cfg.description is not None:  # the class's _no_split_modules
-            return list(cfg.description.blocks)
-        return [layer_prefix(i) for i in range(cfg.n_layers)]
+            blocks = list(cfg.description.blocks)
+        else:
+            blocks = [layer_prefix(i) for i in range(cfg.n_layers)]
+        return blocks if wrap is WrapPolicy.BLOCK else _peft_prefixes(cfg, blocks)
     # every module with a matrix: linears, embeddings, and experts' stacked (3-D) weights
     linear_modules = list(dict.fromkeys(s.module for s in param_specs(cfg) if len(s.shape) >= 2))
     if cfg.tie_embeddings:  # a tied weight must stay in one unit: the root's
         embed = "model.embed_tokens" if cfg.description is None else param_specs(cfg)[0].module
         linear_modules = [m for m in linear_modules if m != embed]
     return linear_modules
+
+
+def _peft_prefixes(cfg: ModelConfig, blocks: list[str]) -> list[str]:
+    """PEFT's ``fsdp_auto_wrap_policy`` (``peft.utils.other``): its ``lambda_policy_fn`` wraps every
+    leaf module with a trainable ``weight`` (LoRA's ``lora_A.default``/``lora_B.default`` linears),
+    its transformer policy every decoder block; in forward order, each block before its adapters."""
+    specs = param_specs(cfg)
+    # every module above one that holds a parameter: those are not leaves
+    ancestors = {m[:i] for m in {s.module for s in specs} for i, c in enumerate(m) if c == "."}
+    block_set = set(blocks)
+    out: dict[str, None] = {}
+    for spec in specs:
+        block = _innermost(spec.module, block_set)
+        if block is not None:
+            out.setdefault(block)
+        is_leaf_weight = spec.name == spec.module + ".weight" and spec.module not in ancestors
+        if spec.trainable and is_leaf_weight:
+            out.setdefault(spec.module)
+    return list(out)
 
 
 def _innermost(module: str, prefixes: set[str]) -> str | None:

@@ -104,6 +104,10 @@ def strategies(scenario: Scenario) -> list[tuple[Strategy, int | None]]:
     return found
 
 
+# the wrap policies the tuner searches (FSDP2's); PEFT's is FSDP1's, for LoRA only
+TUNED_WRAPS = (WrapPolicy.MODEL, WrapPolicy.BLOCK, WrapPolicy.LINEAR)
+
+
 def candidates(scenario: Scenario, global_sequences: int) -> list[Candidate]:
     """Every candidate, deduplicated: DDP has no wrap units or prefetch, one unit has nothing to
     prefetch, so those get a single wrap / prefetch value."""
@@ -114,7 +118,7 @@ def candidates(scenario: Scenario, global_sequences: int) -> list[Candidate]:
 def _generate(scenario: Scenario, per_rank: int) -> Iterator[Candidate]:
     for strategy, group in strategies(scenario):
         ddp = strategy is Strategy.NO_SHARD
-        for wrap in [WrapPolicy.BLOCK] if ddp else list(WrapPolicy):
+        for wrap in [WrapPolicy.BLOCK] if ddp else TUNED_WRAPS:
             single = ddp or wrap is WrapPolicy.MODEL
             for mb in divisors(per_rank):
                 for ckpt in CheckpointMode:

@@ -1,0 +1,165 @@
+"""FSDP1 with PEFT's LoRA: PEFT's wrap policy (every adapter its own unit), frozen flat
+parameters (no gradient, no reduction, resharded by the hook on their inputs' gradients or by the
+final callback's catch-all), their model state, the refusals FSDP1 itself imposes, and memory
+against real FullyShardedDataParallel with PEFT under the fake process group."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from sim.core.events import OpKind
+from sim.errors import UserError
+from sim.scenario.loader import load_scenario
+from sim.schedule.model_state import model_state
+from sim.simulate import simulate
+from sim.workload.options import WrapPolicy
+from sim.workload.units import unit_prefixes
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data" / "hf"
+W = 4
+LORA = '[finetune]\nmethod = "lora"\nrank = 8\nalpha = 16\ntarget_modules = ["q_proj", "v_proj"]\n'
+
+
+@pytest.fixture(scope="module")
+def _shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fsdp1-lora-cache")
+
+
+@pytest.fixture(autouse=True)
+def _cache(_shared_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FSDPSIM_CACHE_DIR", str(_shared_cache))
+
+
+def _scenario(tmp_path: Path, *, wrap: str = "peft", dtype: str = "fp32", finetune: str = LORA) -> Path:
+    (tmp_path / "tiny-llama.json").write_text((DATA / "tiny-llama.json").read_text())
+    path = tmp_path / "s.toml"
+    path.write_text(
+        '[model]\nconfig = "tiny-llama.json"\n[training]\nmicro_batch = 2\nseq_len = 128\n'
+        f'[parallel]\nworld_size = {W}\nfsdp_version = 1\nwrap = "{wrap}"\n'
+        f'[precision]\nparam_dtype = "{dtype}"\nreduce_dtype = "fp32"\n{finetune}'
+    )
+    return path
+
+
+def _flat_padded(numel: int) -> int:
+    return math.ceil(numel / W) * W
+
+
+def test_peft_policy_wraps_each_block_then_its_adapters(tmp_path: Path) -> None:
+    model = load_scenario(_scenario(tmp_path)).model
+    adapters = [
+        f"model.layers.{i}.self_attn.{proj}.lora_{ab}.default"
+        for i in range(2)
+        for proj in ("q_proj", "v_proj")
+        for ab in "AB"
+    ]
+    expected = ["model.layers.0", *adapters[:4], "model.layers.1", *adapters[4:]]
+    assert unit_prefixes(model, WrapPolicy.PEFT) == expected
+
+
+def test_frozen_units_gather_but_never_reduce(tmp_path: Path) -> None:
+    """Every unit all-gathers its padded flat parameter; only the adapters reduce-scatter their
+    gradients, each once, in reverse forward order; the frozen blocks and root none."""
+    result = simulate(load_scenario(_scenario(tmp_path)))
+    step = result.step
+    ops = [o for o in result.events.ops if o.rank == 0]
+    rs = [o for o in ops if o.kind is OpKind.REDUCE_SCATTER]
+    adapters = [u for u in step.units if all(p.trainable for p in u.params)]
+    assert [o.unit for o in rs] == [u.name for u in reversed(adapters)]
+    for o in rs:
+        unit = next(u for u in adapters if u.name == o.unit)
+        assert o.bytes == _flat_padded(unit.numel) * 4  # fp32 reduce of the whole flat gradient
+    gathered = [o for o in ops if o.kind is OpKind.ALL_GATHER]
+    for o in gathered:
+        unit = next(u for u in step.units if u.name == o.unit)
+        assert o.bytes == _flat_padded(unit.numel) * 4
+    # forward: every unit once; backward: every non-root unit again (FULL_SHARD freed them)
+    assert len(gathered) == 2 * len(step.units) - 1
+
+
+def test_model_state_of_frozen_flat_parameters(tmp_path: Path) -> None:
+    """Frozen units keep their padded flat shard only; adapters keep shard, gradient and AdamW's
+    two states, all fp32 and padded to the world size per FlatParameter."""
+    step = simulate(load_scenario(_scenario(tmp_path))).step
+    trained = [u for u in step.units if all(p.trainable for p in u.params)]
+    frozen = [u for u in step.units if not any(p.trainable for p in u.params)]
+    assert len(trained) + len(frozen) == len(step.units)
+    numel = sum(_flat_padded(u.numel) for u in trained) // W
+    frozen_bytes = sum(_flat_padded(u.numel) // W * 4 for u in frozen)
+    state = model_state(step)
+    assert state.grads == numel * 4 and state.optimizer == 2 * numel * 4
+    assert state.params == numel * 4 + frozen_bytes
+
+
+def test_the_first_block_is_resharded_by_the_catch_all(tmp_path: Path) -> None:
+    """Block 0's input (the frozen embedding's output) needs no gradient, so no reshard-only hook
+    fires: its unsharded flat parameter lives until the end of backward, after block 1's is freed."""
+    result = simulate(load_scenario(_scenario(tmp_path)))
+    program = result.program
+    frees = {
+        label: i
+        for i, op in enumerate(program.ops)
+        for label in op.frees
+        if label.startswith("unsharded_flat_param:model.layers.") and ":mb0:" in label
+    }
+    block0 = [i for label, i in frees.items() if label.startswith("unsharded_flat_param:model.layers.0:")]
+    block1 = [i for label, i in frees.items() if label.startswith("unsharded_flat_param:model.layers.1:")]
+    assert len(block0) == 2 and len(block1) == 2  # freed after forward and in backward
+    last_backward = max(i for i, op in enumerate(program.ops) if op.kind is OpKind.BACKWARD)
+    assert max(block0) == last_backward
+    assert max(block1) < max(block0)
+
+
+@pytest.mark.parametrize(
+    ("wrap", "extra", "message"),
+    [
+        ("block", "", "requires_grad"),
+        ("block", "[fsdp1]\nuse_orig_params = true\n", "computes and reduces the frozen weights"),
+    ],
+)
+def test_units_mixing_frozen_and_trainable_are_refused(
+    tmp_path: Path, wrap: str, extra: str, message: str
+) -> None:
+    path = _scenario(tmp_path, wrap=wrap, finetune=LORA + extra)
+    with pytest.raises(UserError, match=message) as e:
+        load_scenario(path)
+    assert 'parallel.wrap = "peft"' in str(e.value)
+
+
+def test_refusals_name_the_key(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="fails in the real system"):
+        load_scenario(_scenario(tmp_path, dtype="bf16"))
+    with pytest.raises(UserError, match='parallel.wrap = "peft" is PEFT'):
+        load_scenario(_scenario(tmp_path, finetune=""))
+    with pytest.raises(UserError, match='parallel.wrap = "peft" is PEFT'):
+        load_scenario(_scenario(tmp_path), ["parallel.fsdp_version=2"])
+    qlora = LORA.replace('"lora"', '"qlora"') + 'quant_storage = "fp32"\n'
+    with pytest.raises(UserError, match="FSDP1 models finetune.method"):
+        load_scenario(_scenario(tmp_path, finetune=qlora), ["parallel.wrap=block"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["parallel.strategy=SHARD_GRAD_OP"],
+        ["fsdp1.backward_prefetch=BACKWARD_POST"],
+        ["training.grad_accum=2"],
+    ],
+)
+def test_memory_matches_real_fsdp1_with_peft(tmp_path: Path, overrides: list[str]) -> None:
+    """PEFT on the real transformers model under real FullyShardedDataParallel, one rank of 4 on
+    the fake process group: the predicted peak within 0.5 %, its parameters to the byte."""
+    from validation.memory_only import validate_memory_only
+
+    comparison, _ = validate_memory_only(str(_scenario(tmp_path)), overrides, timeout_s=300)
+    rows = {r.metric.strip(): r for r in comparison.rows}
+    assert abs(rows["peak memory"].predicted / rows["peak memory"].measured - 1) < 0.005
+    assert rows["params"].predicted == rows["params"].measured
