@@ -64,8 +64,8 @@ def _measure(
     extra |= {
         "fsdp_unit_overhead": fsdp_overhead.unit_overhead(target, device, reps, copy_Bps),
     }
-    # FSDP1's hooks per unit, measured on a chain of trained blocks; a LoRA model's units (PEFT's
-    # wrap: frozen blocks and adapters) are charged the same per unit (their own not measured)
+    # FSDP1's hooks per unit; a LoRA model's chain is wrapped as PEFT's policy wraps it (each block
+    # and each adapter), its per-layer time shared out over the layer's units
     extra["fsdp1_unit_overhead"] = fsdp_overhead.unit_overhead(target, device, reps, copy_Bps, version=1)
     if target.deepspeed_config is not None and device.type == "cpu":
         from calibrate import deepspeed_overhead

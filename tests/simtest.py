@@ -137,6 +137,20 @@ def run_calibrate(*args: str, timeout: float = 300) -> "subprocess.CompletedProc
     )
 
 
+def calibrated_compute_profile(folder: Path, scenario: Path, name: str) -> Path:
+    """A copy of the h100-sxm datasheet profile named ``name`` in ``folder``, with the compute
+    section ``calibrate compute`` measures for ``scenario`` on 2 gloo ranks (one repetition)."""
+    import json
+
+    path = folder / "profile.json"
+    base = copy.deepcopy(BUILTIN_PROFILES["h100-sxm"])
+    base["name"] = name
+    path.write_text(json.dumps(base))
+    proc = run_calibrate("compute", str(scenario), "--profile", str(path), "--nproc", "2", "--reps", "1")
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
 def description_cache(name: str) -> Any:
     """A module-scoped ``folder`` fixture: a temporary folder (``name``) for a test module's scenarios
     of Hugging Face configs, their descriptions cached in it (``FSDPSIM_CACHE_DIR``, which the

@@ -2,18 +2,16 @@
 the real ``transformers`` model (``calibrate.hf_units``), applied by the simulator block by block,
 and refused for any other model."""
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from simtest import compute_target, description_cache, run_calibrate
+from simtest import calibrated_compute_profile, compute_target, description_cache
 
 from calibrate import hf_units
 from sim.cli.main import main as fsdpsim_main
 from sim.costs.compute import build_compute_costs
-from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.hardware.registry import load_profile
 from sim.scenario.loader import load_scenario
 from sim.workload.described import described_layer_ops
@@ -71,14 +69,7 @@ def test_the_units_are_the_models_own_one_block_per_kind(
 @pytest.fixture(scope="module")
 def calibrated(folder: Path) -> Path:
     """A datasheet profile with a compute section of tiny-mixtral measured by 2 gloo ranks."""
-    path = folder / "profile.json"
-    base = copy.deepcopy(BUILTIN_PROFILES["h100-sxm"])
-    base["name"] = "cpu-test"
-    path.write_text(json.dumps(base))
-    scenario = _scenario(folder, "tiny-mixtral")
-    proc = run_calibrate("compute", str(scenario), "--profile", str(path), "--nproc", "2", "--reps", "1")
-    assert proc.returncode == 0, proc.stderr
-    return path
+    return calibrated_compute_profile(folder, _scenario(folder, "tiny-mixtral"), "cpu-test")
 
 
 def test_two_ranks_write_the_described_models_units(calibrated: Path, folder: Path) -> None:

@@ -2,17 +2,15 @@
 real model as the scenario sets it, the first block a unit of its own, the profile keyed by the
 LoRA settings, and every mismatch (full training, other settings, QLoRA) refused in one line."""
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from simtest import compute_target, description_cache, run_calibrate
+from simtest import calibrated_compute_profile, compute_target, description_cache, run_calibrate
 
 from calibrate import hf_units
 from sim.cli.main import main as fsdpsim_main
-from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.scenario.loader import load_scenario
 from sim.workload.description import finetune_fingerprint
 
@@ -74,14 +72,7 @@ def test_the_measured_model_trains_only_its_adapters_and_times_every_unit(folder
 @pytest.fixture(scope="module")
 def calibrated(folder: Path) -> Path:
     """A datasheet profile with a compute section of tiny-qwen2 + LoRA measured by 2 gloo ranks."""
-    path = folder / "profile.json"
-    base = copy.deepcopy(BUILTIN_PROFILES["h100-sxm"])
-    base["name"] = "cpu-lora-test"
-    path.write_text(json.dumps(base))
-    scenario = _scenario(folder, "lora", LORA)
-    proc = run_calibrate("compute", str(scenario), "--profile", str(path), "--nproc", "2", "--reps", "1")
-    assert proc.returncode == 0, proc.stderr
-    return path
+    return calibrated_compute_profile(folder, _scenario(folder, "lora", LORA), "cpu-lora-test")
 
 
 def test_two_ranks_write_the_lora_units_keyed_by_the_settings(calibrated: Path) -> None:

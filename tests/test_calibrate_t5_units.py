@@ -2,17 +2,15 @@
 kind timed inside the real model on the scenario's encoder and decoder lengths, and the profile
 refused for another decoder length."""
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from simtest import compute_target, description_cache, run_calibrate
+from simtest import calibrated_compute_profile, compute_target, description_cache
 
 from calibrate import hf_units
 from sim.cli.main import main as fsdpsim_main
-from sim.hardware.builtin import BUILTIN_PROFILES
 
 pytestmark = pytest.mark.slow  # real torch.distributed processes
 
@@ -61,15 +59,7 @@ def test_both_stacks_keep_one_block_per_kind(folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def calibrated(folder: Path) -> Path:
-    path = folder / "profile.json"
-    base = copy.deepcopy(BUILTIN_PROFILES["h100-sxm"])
-    base["name"] = "cpu-t5-test"
-    path.write_text(json.dumps(base))
-    proc = run_calibrate(
-        "compute", str(_scenario(folder, 16)), "--profile", str(path), "--nproc", "2", "--reps", "1"
-    )
-    assert proc.returncode == 0, proc.stderr
-    return path
+    return calibrated_compute_profile(folder, _scenario(folder, 16), "cpu-t5-test")
 
 
 def test_two_ranks_write_the_t5_units_and_the_simulator_runs_on_them(calibrated: Path, folder: Path) -> None:

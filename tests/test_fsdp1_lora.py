@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from simtest import description_cache
 
 from sim.core.events import OpKind
 from sim.errors import UserError
@@ -26,14 +27,13 @@ W = 4
 LORA = '[finetune]\nmethod = "lora"\nrank = 8\nalpha = 16\ntarget_modules = ["q_proj", "v_proj"]\n'
 
 
-@pytest.fixture(scope="module")
-def _shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("fsdp1-lora-cache")
+folder = description_cache("fsdp1-lora-cache")
 
 
 @pytest.fixture(autouse=True)
-def _cache(_shared_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FSDPSIM_CACHE_DIR", str(_shared_cache))
+def _cache(folder: Path) -> None:
+    """One description cache for the module: a model described at the same dims and settings is
+    measured once (the cache is keyed by the config's content, not its path)."""
 
 
 def _scenario(tmp_path: Path, *, wrap: str = "peft", dtype: str = "fp32", finetune: str = LORA) -> Path:

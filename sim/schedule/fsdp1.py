@@ -38,7 +38,7 @@ from sim.core.events import OpKind, Stream
 from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.schedule.base import Activations, ScheduleBuilder, UnitLayout
-from sim.schedule.model_state import numel_per_rank, unit_stored_bytes
+from sim.schedule.model_state import fsdp1_unit_trains, numel_per_rank, unit_stored_bytes
 from sim.schedule.step import StepConfig
 from sim.workload.options import BackwardPrefetch, Fsdp1Options
 from sim.workload.units import ROOT
@@ -74,7 +74,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         self.w = cfg.shard_size if self.sharded else 1
         # the flat parameter's own dtype (uniform within a unit), and whether it trains
         self.stored = {u.name: unit_stored_bytes(cfg, u) for u in cfg.units}
-        self.trains = {u.name: any(p.trainable for p in u.params) for u in cfg.units}
+        self.trains = {u.name: fsdp1_unit_trains(u) for u in cfg.units}
         self.catch_all: list[str] = []  # frozen units the final callback's catch-all reshards
         self.free_events: deque[int] = deque()  # the rate limiter's queue of free events
         self.last_unshard: int | None = None  # the unshard stream's last op: what compute waits for
@@ -314,9 +314,9 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
             if self.checkpointed(i) and seg.block not in recomputed:
                 self.recompute_block(seg.block, mb.index, mb)  # type: ignore[arg-type]
                 recomputed.add(seg.block)  # type: ignore[arg-type]
-            grad_bytes = sum(p.numel for p in cfg.gradient_params[i] if p.trainable) * cfg.param_bytes
             end_allocs: tuple[Alloc, ...] = ()
             if self.trains[seg.unit]:
+                grad_bytes = sum(p.numel for p in cfg.gradient_params[i]) * cfg.param_bytes
                 grads = self.label("view_grads", seg.unit, mb.index)
                 mb.view_grads[seg.unit].append(grads)
                 end_allocs = (Alloc(label=grads, category=Mem.GRADS, bytes=grad_bytes),)

@@ -54,7 +54,7 @@ def unit_stored_bytes(step: StepConfig, unit: WrapUnit) -> int:
     return max(stored_bytes(step, p) for p in unit.params) if unit.params else step.master_bytes
 
 
-def _fsdp1_trains(unit: WrapUnit) -> bool:
+def fsdp1_unit_trains(unit: WrapUnit) -> bool:
     """FSDP1: the ``FlatParameter`` requires a gradient (uniform within a unit, the checks ensure)."""
     return any(p.trainable for p in unit.params)
 
@@ -64,7 +64,7 @@ def unit_numel_per_rank(step: StepConfig, unit: WrapUnit) -> int:
     its padded shard under FSDP, all of it under NO_SHARD."""
     w = _shard_size(step)
     if step.fsdp1 is not None:  # one FlatParameter, trained or frozen as a whole
-        return step.padded_numel(unit) // w if _fsdp1_trains(unit) else 0
+        return step.padded_numel(unit) // w if fsdp1_unit_trains(unit) else 0
     if step.expert_params:  # expert parallelism (full training only): local experts over world / E
         return sum(n // s for n, s in map(step.param_sharding, unit.params))
     return sum(padded_numel(p, w) for p in unit.params if p.trainable) // w
@@ -75,7 +75,7 @@ def unit_frozen_bytes_per_rank(step: StepConfig, unit: WrapUnit) -> int:
     unit's padded ``FlatParameter`` shard)."""
     w = _shard_size(step)
     if step.fsdp1 is not None:
-        return 0 if _fsdp1_trains(unit) else step.padded_numel(unit) // w * unit_stored_bytes(step, unit)
+        return 0 if fsdp1_unit_trains(unit) else step.padded_numel(unit) // w * unit_stored_bytes(step, unit)
     return sum(padded_numel(p, w) // w * stored_bytes(step, p) for p in unit.params if not p.trainable)
 
 
