@@ -32,6 +32,26 @@ def _block_of(path: str, blocks: list[str]) -> int | None:
     return None
 
 
+def _owner_block(op: OpRecord, blocks: list[str]) -> int | None:
+    """The block an op runs in (the attention probe's owner is ``attention:<module>``)."""
+    return _block_of(op.owner.removeprefix("attention:"), blocks)
+
+
+def _mark_saved_after_block(ops: list[OpRecord], blocks: list[str]) -> None:
+    """Of each block op's saved bytes, those an op after its block saves (the block's output the
+    next block's or the final norm's autograd keeps): a checkpointed block drops its saves, not
+    these, unless the region that saves them is itself checkpointed (``sim.schedule.base``)."""
+    for op in ops:
+        block = _owner_block(op, blocks)
+        if block is None:
+            continue
+        op.saved_after_block_bytes = sum(
+            nbytes
+            for nbytes, savers in op.saved_by
+            if any(s > op.index and _owner_block(ops[s], blocks) != block for s in savers)
+        )
+
+
 def _useful(op: OpRecord) -> bool:
     return bool(
         op.flops
@@ -63,6 +83,7 @@ def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[st
                 "flops": op.flops,
                 "memory_bytes": op.memory_bytes,
                 "saved_bytes": op.saved_bytes,
+                "saved_after_block_bytes": op.saved_after_block_bytes,
                 "forward_transient_bytes": op.forward_transient_bytes,
                 "backward_transient_bytes": op.backward_transient_bytes,
                 "gemms": [list(g) for g in op.gemms],
@@ -124,6 +145,7 @@ def assemble_ops(
     embedding, then the decoder stack and the head. The traced model holds each stack's
     representatives only; a stack's blocks are emitted, all of them, where its first traced
     block ran (ops between a stack's blocks, should a model have any, come after it)."""
+    _mark_saved_after_block(ops, blocks)
     entries = _entries(ops, calls, set(meta["direct_3d"]))
     for e in entries:
         e["block"] = _block_of(e["module"], blocks)

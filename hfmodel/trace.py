@@ -7,7 +7,9 @@ forward is running), or by the attention probe (``hfmodel.probe``). For each op:
 - ``memory_bytes``: what eager PyTorch moves outside matmuls: every non-view aten call reads its
   tensor inputs and writes its outputs;
 - ``saved_bytes``: storages autograd saves (``saved_tensors_hooks``), each once, parameters
-  excepted, counted at the op that created them;
+  excepted, counted at the op that created them; ``saved_by`` the ops that save each (its
+  ``(bytes, saver indices)``), from which ``hfmodel.ops`` finds what a later block or an op
+  outside the blocks keeps of a block's storages;
 - ``forward_transient_bytes``: the most that is alive during the op of what the forward created
   and autograd does not keep (e.g. the logits, consumed by the loss);
 - ``backward_transient_bytes``: the most alive during the op's backward (the autograd node being
@@ -55,6 +57,8 @@ class OpRecord:
     flops: float = 0.0
     memory_bytes: float = 0.0
     saved_bytes: int = 0
+    saved_by: list[tuple[int, frozenset[int]]] = field(default_factory=list)  # (bytes, saver ops)
+    saved_after_block_bytes: int = 0  # of saved_bytes, what ops after its block save (hfmodel.ops)
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
     host_ops: int = 0
@@ -161,6 +165,7 @@ class Tracer(TorchDispatchMode):
         self.storages: list[list[Any]] = []
         self.node_op: dict[Any, int] = {}  # autograd node -> op index
         self.saved: set[int] = set()  # uids autograd keeps
+        self.savers: dict[int, set[int]] = {}  # uid -> the forward ops whose autograd nodes keep it
         self.probe_owner: str | None = None
         self._last_op = 0
         # AccumulateGrad node of a parameter -> the nodes whose gradient flows into it; and the
@@ -305,6 +310,7 @@ class SavedBytes:
             uid = tracer.uid_of(t)
         if uid is not None:
             tracer.saved.add(uid)
+            tracer.savers.setdefault(uid, set()).add(tracer.ops[-1].index if tracer.ops else 0)
         return t
 
 
@@ -332,6 +338,7 @@ def finish(tracer: Tracer, param_grad_keys: set[int]) -> None:
             continue
         if not in_backward and uid in tracer.saved:
             tracer.ops[op].saved_bytes += nbytes
+            tracer.ops[op].saved_by.append((nbytes, frozenset(tracer.savers.get(uid, ()))))
         elif not in_backward:
             forward_events += [(created, nbytes), (end, -nbytes)]
         elif died is not None or not param_grad_keys:

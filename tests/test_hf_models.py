@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from sim.core.events import OpKind
 from sim.errors import UserError
 from sim.scenario.hf_model import library
 from sim.scenario.loader import load_scenario
@@ -91,6 +92,53 @@ def test_a_described_llama_matches_the_hand_written_one() -> None:
         assert saved[0] == pytest.approx(saved[1], rel=1e-3)
     units = [[u.name for u in build_units(m, WrapPolicy.BLOCK)] for m in (described, preset)]
     assert units[0] == units[1]
+
+
+@pytest.mark.parametrize(("dtype", "kept"), [("fp32", True), ("bf16", False)])
+def test_what_ops_after_a_block_save_of_it_is_measured(dtype: str, kept: bool) -> None:
+    """Each block's output is saved by the next block's (or the final) RMSNorm in fp32, where its
+    upcast is a no-op: exactly tokens x hidden x 4 bytes of the block's last op, nothing else. In
+    bf16 the norm saves its own fp32 copy: nothing after the block keeps the block's storages."""
+    described = _describe(DATA / "tiny-llama.json", dtype=dtype)
+    ops = layer_ops(described, Workload(micro_batch=2, seq_len=32, act_bytes=4, attention_kernel="flash"))
+    output_bytes = 2 * 32 * described.hidden * 4
+    for block in (0, 1):
+        mine = [o for o in ops if o.block == block]
+        assert [o.saved_after_block_bytes for o in mine[:-1]] == [0] * (len(mine) - 1)
+        assert mine[-1].saved_after_block_bytes == (output_bytes if kept else 0)
+    assert all(o.saved_after_block_bytes == 0 for o in ops if o.block is None)
+
+
+@pytest.mark.parametrize(("mode", "selective", "kept_blocks"), [("full", "op", [1]), ("selective", 2, [1])])
+def test_a_checkpointed_block_keeps_what_the_region_after_it_saves(
+    tmp_path: Path, mode: str, selective: object, kept_blocks: list[int]
+) -> None:
+    """Full checkpointing: block 0's output is block 1's kept input, so only the last block's,
+    which the final norm saves, is kept; every 2nd block (block 1 of 2): block 1's, the same. One
+    allocation per checkpointed block whose next region is not a checkpoint, freed as its
+    recompute starts."""
+    from sim.simulate import simulate
+
+    path = _scenario(
+        tmp_path,
+        f'config = "{DATA / "tiny-llama.json"}"',
+        f'[checkpointing]\nmode = "{mode}"\nselective = {json.dumps(selective)}\n',
+    )
+    result = simulate(load_scenario(path, ["precision.param_dtype=fp32"]))
+    program = result.program
+    allocs = [
+        (i, a)
+        for i, op in enumerate(program.ops)
+        for a in op.allocs
+        if a.label.startswith("kept_after_block")
+    ]
+    assert [program.ops[i].unit for i, _ in allocs] == [f"model.layers.{b}" for b in kept_blocks]
+    hidden = result.step.segments[0].ops[0].params[0].shape[1]
+    tokens = result.scenario.training.micro_batch * result.scenario.training.seq_len
+    assert all(a.bytes == tokens * hidden * 4 for _, a in allocs)
+    for i, a in allocs:
+        freed_at = next(op for op in program.ops if a.label in op.start_frees)
+        assert freed_at.kind is OpKind.RECOMPUTE and freed_at.unit == program.ops[i].unit
 
 
 def test_experts_compute_for_the_active_ones_and_shard_all_of_them() -> None:

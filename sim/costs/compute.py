@@ -93,6 +93,8 @@ class SegmentFigures:
     # the host's eager dispatch of the segment's ops (zero where the host is the device or unmodelled)
     forward_host_s: float = 0.0
     backward_host_s: float = 0.0
+    # of saved_bytes, what ops after the segment's block save (kept where that region is not checkpointed)
+    saved_after_block_bytes: int = 0
     # op-level selective checkpointing: the outputs it keeps, and what it recomputes
     sac_kept_bytes: int = 0
     sac_recompute_s: float = 0.0
@@ -171,6 +173,9 @@ class ComputeCosts:
             backward_s=total("backward", 1),
             recompute_s=total("recompute"),
             saved_bytes=saved_total,
+            saved_after_block_bytes=round(
+                sum(op.saved_after_block_bytes * self._scale(op, "saved") for op in seg.ops)
+            ),
             forward_transient_bytes=beyond_saved("forward_transient"),
             backward_transient_bytes=beyond_saved("backward_transient"),
             sac_kept_bytes=sum(op.sac_kept_bytes for op in seg.ops),

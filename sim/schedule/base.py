@@ -25,6 +25,8 @@ class Activations:
     saved: dict[int, str] = field(default_factory=dict)
     block_inputs: dict[int, str] = field(default_factory=dict)
     kept: dict[int, str] = field(default_factory=dict)  # segment -> outputs op-level SAC keeps
+    # block -> what of a checkpointed block's saves an unchecked region after it keeps
+    kept_after_block: dict[int, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,6 +256,12 @@ class ScheduleBuilder:
         allocs.append(Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_bytes))
         if self.checkpointed(i):
             frees.append(saved)
+            if fig.saved_after_block_bytes and not self._next_region_checkpointed(i):
+                label = self.label("kept_after_block", seg.unit, mb)
+                acts.kept_after_block.setdefault(block, []).append(label)  # type: ignore[arg-type]
+                allocs.append(
+                    Alloc(label=label, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_after_block_bytes)
+                )
             if cfg.checkpoint.selective_op and fig.sac_kept_bytes:
                 acts.kept[i] = self.label("sac_kept", seg.unit, mb)
                 allocs.append(
@@ -278,10 +286,21 @@ class ScheduleBuilder:
             host_s=fig.forward_host_s,
         )
 
+    def _next_region_checkpointed(self, i: int) -> bool:
+        """Whether the ops right after segment ``i``'s block are a checkpoint region too (the
+        next block checkpointed): then they keep nothing of the block, only their own input."""
+        segs = self.cfg.segments
+        block = segs[i].block
+        after = next((s for s in segs[i + 1 :] if s.block != block), None)
+        return after is not None and self.cfg.checkpoint.covers(after.block)
+
     def recompute_block(self, block: int, mb: int, acts: Activations) -> None:
         """Checkpointing's second forward of ``block``, just before its backward: every segment's
-        activations are saved again (less what op-level SAC kept) and its transient held while it runs."""
+        activations are saved again (less what op-level SAC kept) and its transient held while it
+        runs; what the region after the block kept of its forward is gone by then (that region's
+        backward has run), and is dropped as the recompute starts."""
         selective = self.cfg.checkpoint.selective_op
+        start_frees = tuple(acts.kept_after_block.pop(block, ()))
         for i, seg in enumerate(self.cfg.segments):
             if seg.block != block:
                 continue
@@ -302,8 +321,10 @@ class ScheduleBuilder:
                     Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.forward_transient_bytes),
                 ),
                 frees=(transient,),
+                start_frees=start_frees,
                 host_s=fig.forward_host_s,
             )
+            start_frees = ()
             self._after_recompute(i, op)
 
     def _before_recompute(self, i: int, mb: int) -> None:

@@ -126,6 +126,7 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, masks: 
         flops=op.flops,
         memory_bytes=op.memory_bytes,
         saved_bytes=op.saved_bytes,
+        saved_after_block_bytes=op.saved_after_block_bytes,
         forward_transient_bytes=op.forward_transient_bytes,
         backward_transient_bytes=op.backward_transient_bytes,
         gemm=op.gemms[0][:3] if single else None,

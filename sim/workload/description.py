@@ -1,6 +1,6 @@
 """A model described by its measured ops: what ``hfmodel`` extracts from a Hugging Face config.
 
-The description (JSON, ``version`` 4) is written on the torch side (``hfmodel.describe``) and read
+The description (JSON, ``version`` 5) is written on the torch side (``hfmodel.describe``) and read
 here without torch. It holds:
 - ``params``: every parameter as ``transformers`` builds it on the meta device (name, shape,
   registration order, a tied weight once), and ``buffer_bytes`` (module buffers, unsharded);
@@ -32,7 +32,7 @@ from sim.workload.params import ParamSpec
 # 3: encoder-decoders (``measured.decoder_seq_len``; attention calls' ``kv_seq_len``, ``dropout``,
 # ``bias``, ``bias_grad``) and tied parameters' later users (``reuses``); 4: attention calls'
 # ``softcap`` (a version 3 file of Gemma 2 would read as uncapped)
-DESCRIPTION_VERSION = 4
+DESCRIPTION_VERSION = 5
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -69,6 +69,8 @@ class DescribedOp:
     saved_bytes: int
     forward_transient_bytes: int
     backward_transient_bytes: int
+    # of saved_bytes, what ops after its block save (a checkpointed block's output they keep)
+    saved_after_block_bytes: int = 0
     gemms: tuple[tuple[int, int, int, int], ...] = ()
     attention: AttentionCall | None = None
     host_ops: int = 0
@@ -179,6 +181,7 @@ def _op(raw: Any, where: str) -> DescribedOp:
         flops=float(r.get("flops", (int, float))),
         memory_bytes=float(r.get("memory_bytes", (int, float))),
         saved_bytes=r.get("saved_bytes", int),
+        saved_after_block_bytes=r.get("saved_after_block_bytes", int),
         forward_transient_bytes=r.get("forward_transient_bytes", int),
         backward_transient_bytes=r.get("backward_transient_bytes", int),
         gemms=_gemms(r.get("gemms", list), where),

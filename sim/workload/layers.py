@@ -128,6 +128,9 @@ class LayerOp:
     flops: float
     memory_bytes: float
     saved_bytes: int
+    # of saved_bytes, what ops after its block save: a checkpointed block keeps these where the
+    # region after it is not checkpointed (measured for described models; 0 for the analytic ones)
+    saved_after_block_bytes: int = 0
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
     gemm: tuple[int, int, int] | None = None  # (M, N, K) of a linear's forward matmul
