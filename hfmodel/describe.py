@@ -96,7 +96,9 @@ def _finetuned(model: nn.Module, finetune: dict[str, Any] | None) -> nn.Module:
     bitsandbytes' formulas, since bitsandbytes' fake kernels allocate nothing)."""
     if not finetune or finetune.get("method", FULL) == FULL:
         return model
-    return apply_lora(model, finetune, adapters_in_base_dtype=True)
+    # adapters in the compute dtype (FSDP2's and DDP's mixed precision casts them), unless the step
+    # computes them in their own (``adapter_dtype``: FSDP1 without MixedPrecision, PEFT's fp32)
+    return apply_lora(model, finetune, adapters_in_base_dtype=finetune.get("adapter_dtype") is None)
 
 
 def _finetune_facts(

@@ -164,3 +164,78 @@ def test_memory_matches_real_fsdp1_with_peft(tmp_path: Path, overrides: list[str
     rows = {r.metric.strip(): r for r in comparison.rows}
     assert abs(rows["peak memory"].predicted / rows["peak memory"].measured - 1) < 0.005
     assert rows["params"].predicted == rows["params"].measured
+
+
+# -- without MixedPrecision (llama-recipes' pure_bf16): a bf16 base, PEFT's fp32 adapters --------
+
+
+def _pure(tmp_path: Path) -> Path:
+    """The scenario with a bf16 base and no reduce dtype (FSDP1 without MixedPrecision has none)."""
+    path = _scenario(tmp_path, dtype="bf16")
+    path.write_text(
+        path.read_text().replace('reduce_dtype = "fp32"\n', "") + "[fsdp1]\nmixed_precision = false\n"
+    )
+    return path
+
+
+def test_without_mixed_precision_each_flat_parameter_keeps_its_dtype(tmp_path: Path) -> None:
+    """The frozen bf16 blocks and root gather in bf16 (2 bytes), the fp32 adapters gather and
+    reduce-scatter in fp32 (4 bytes): nothing is cast, so no mixed-precision shard is allocated."""
+    result = simulate(load_scenario(_pure(tmp_path)))
+    step = result.step
+    ops = [o for o in result.events.ops if o.rank == 0]
+    units = {u.name: u for u in step.units}
+    trained = {u.name for u in step.units if all(p.trainable for p in u.params)}
+    gathered = [o for o in ops if o.kind is OpKind.ALL_GATHER]
+    assert {o.unit for o in gathered} == set(units)
+    for o in gathered:
+        assert o.bytes == _flat_padded(units[o.unit].numel) * (4 if o.unit in trained else 2), o.unit
+    rs = [o for o in ops if o.kind is OpKind.REDUCE_SCATTER]
+    assert {o.unit for o in rs} == trained
+    for o in rs:
+        assert o.bytes == _flat_padded(units[o.unit].numel) * 4
+    labels = {label for op in result.program.ops for a in op.allocs for label in [a.label]}
+    assert not any(label.startswith(("mp_shard:", "reduce_dtype_grad:")) for label in labels)
+    state = model_state(step)
+    numel = sum(_flat_padded(units[u].numel) for u in trained) // W
+    frozen_bytes = sum(_flat_padded(u.numel) // W * 2 for u in step.units if u.name not in trained)
+    assert state.params == numel * 4 + frozen_bytes and state.grads == numel * 4
+
+
+def test_without_mixed_precision_the_adapters_are_described_in_fp32(tmp_path: Path) -> None:
+    """The description is measured with PEFT's fp32 adapters over the bf16 base (their input cast
+    to fp32 included), not the bf16 adapters a mixed-precision step computes with."""
+    pure = load_scenario(_pure(tmp_path)).model.description
+    fsdp2 = load_scenario(
+        _scenario(tmp_path, dtype="bf16"), ["parallel.fsdp_version=2", "parallel.wrap=block"]
+    )
+    mixed = fsdp2.model.description
+    assert pure is not None and mixed is not None and pure.finetune is not None
+    assert pure.finetune.adapter_dtype == "fp32" and mixed.finetune is not None
+    assert mixed.finetune.adapter_dtype is None and pure.key != mixed.key
+    # fp32 adapters save more: PEFT's cast of each target's input, and fp32 adapter activations
+    assert sum(o.saved_bytes for o in pure.ops) > sum(o.saved_bytes for o in mixed.ops)
+
+
+def test_mixed_precision_false_refusals(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="needs parallel.fsdp_version = 1"):
+        load_scenario(_pure(tmp_path), ["parallel.fsdp_version=2", "parallel.wrap=block"])
+    with pytest.raises(UserError, match="remove precision.reduce_dtype"):
+        load_scenario(_pure(tmp_path), ["precision.reduce_dtype=fp32"])
+    with pytest.raises(UserError, match='finetune.method = "full" steps low-precision'):
+        load_scenario(_pure(tmp_path), ["finetune.method=full", "parallel.wrap=block"])
+    with pytest.raises(UserError, match="fsdp1.mixed_precision = false"):  # the hint in the bf16 refusal
+        load_scenario(_scenario(tmp_path, dtype="bf16"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [[], ["checkpointing.mode=full"]])
+def test_memory_without_mixed_precision_matches_real_fsdp1(tmp_path: Path, overrides: list[str]) -> None:
+    """A bf16 base with PEFT's fp32 adapters under FullyShardedDataParallel(mixed_precision=None),
+    one rank of 4 on the fake process group: the peak within 0.5 %, the parameters to the byte."""
+    from validation.memory_only import validate_memory_only
+
+    comparison, _ = validate_memory_only(str(_pure(tmp_path)), overrides, timeout_s=300)
+    rows = {r.metric.strip(): r for r in comparison.rows}
+    assert abs(rows["peak memory"].predicted / rows["peak memory"].measured - 1) < 0.005
+    assert rows["params"].predicted == rows["params"].measured

@@ -28,6 +28,8 @@ def _mixed_precision(scenario: Scenario) -> Any:
     from torch.distributed.fsdp import MixedPrecision
 
     p = scenario.precision
+    if not scenario.fsdp1.mixed_precision:  # the model as stored: llama-recipes' pure_bf16
+        return None
     if scenario.param_dtype == "fp32" and scenario.reduce_dtype == "fp32" and p.buffer_dtype is None:
         return None
     return MixedPrecision(

@@ -122,9 +122,17 @@ def _described_model(section: ModelSection, built: dict[str, Any], where: str) -
         decoder_seq_len=training.decoder_seq_len,
         dtype=canonical_dtype(precision.param_dtype),
         where=where,
-        finetune=finetune.settings() if finetune.lora else None,
+        finetune=finetune.settings(adapter_dtype=_own_adapter_dtype(built)) if finetune.lora else None,
     )
     return ModelConfig.of(description)
+
+
+def _own_adapter_dtype(built: dict[str, Any]) -> str | None:
+    """fp32 where LoRA's adapters compute in their own dtype over a lower-precision base: FSDP1
+    without MixedPrecision (PEFT keeps them fp32, ``autocast_adapter_dtype``; nothing casts them)."""
+    pure_fsdp1 = built["parallel"].fsdp_version == 1 and not built["fsdp1"].mixed_precision
+    low = canonical_dtype(built["precision"].param_dtype) != "fp32"
+    return "fp32" if pure_fsdp1 and low and not built["deepspeed"].enabled else None
 
 
 def _resolve_model(section: ModelSection, built: dict[str, Any], where: str) -> ModelConfig:
@@ -197,6 +205,7 @@ def _check(s: Scenario, where: str) -> None:
     check_expert_parallel(s, where)
     _check_deepspeed(s, where)
     _check_finetune_system(s, where)
+    _check_fsdp1_mixed_precision(s, where)
     sim = s.simulation
     if sim.compute_jitter is not None and sim.compute_jitter < 0:
         raise UserError(f"{where}: simulation.compute_jitter must be >= 0")
@@ -364,6 +373,29 @@ def _check_finetune_system(s: Scenario, where: str) -> None:
         )
 
 
+def _check_fsdp1_mixed_precision(s: Scenario, where: str) -> None:
+    """``fsdp1.mixed_precision = false``: FSDP1 with ``mixed_precision=None`` over a model stored in
+    ``param_dtype``; modelled where the trainable parameters stay fp32 (LoRA's adapters)."""
+    if s.fsdp1.mixed_precision:
+        return
+    if s.parallel.fsdp_version != 1 or s.deepspeed.enabled:
+        raise UserError(f"{where}: fsdp1.mixed_precision = false needs parallel.fsdp_version = 1")
+    given = [
+        f"precision.{k}" for k in ("reduce_dtype", "buffer_dtype") if getattr(s.precision, k) is not None
+    ]
+    if given:
+        raise UserError(
+            f"{where}: fsdp1.mixed_precision = false reduces each FlatParameter in its own dtype and keeps "
+            f"buffers as stored; remove {' and '.join(given)}"
+        )
+    if s.param_dtype != "fp32" and not s.finetune.lora:
+        raise UserError(
+            f"{where}: fsdp1.mixed_precision = false with precision.param_dtype = {s.param_dtype!r} and "
+            'finetune.method = "full" steps low-precision weights and optimizer states, which is not '
+            'modelled; modelled: finetune.method = "lora" (fp32 adapters), or param_dtype = "fp32"'
+        )
+
+
 def _check_fsdp1_lora(s: Scenario, where: str) -> None:
     """FSDP1 flattens each unit into one ``FlatParameter``: one dtype, and (``use_orig_params =
     false``) one ``requires_grad``, else ``FullyShardedDataParallel`` refuses; with
@@ -377,7 +409,7 @@ def _check_fsdp1_lora(s: Scenario, where: str) -> None:
         )
     if s.fsdp1.cpu_offload:
         raise UserError(f'{where}: fsdp1.cpu_offload with finetune.method = "lora" is not modelled')
-    if s.param_dtype != "fp32":
+    if s.param_dtype != "fp32" and s.fsdp1.mixed_precision:
         # measured: a real 2-rank gloo step of PEFT's fp32 adapters over a bf16 base under
         # MixedPrecision(param_dtype=bf16) fails in its first forward ("expected m1 and m2 to have
         # the same dtype"): PEFT casts an adapter's input to the dtype its sharded fp32 weight shows,
@@ -385,7 +417,8 @@ def _check_fsdp1_lora(s: Scenario, where: str) -> None:
         raise UserError(
             f'{where}: FSDP1 with finetune.method = "lora" and precision.param_dtype = {s.param_dtype!r} '
             "fails in the real system without autocast (PEFT casts each adapter's input to its fp32 "
-            'shard\'s dtype, FSDP1 computes with the low-precision weight); modelled: param_dtype = "fp32"'
+            'shard\'s dtype, FSDP1 computes with the low-precision weight); modelled: param_dtype = "fp32", '
+            "or fsdp1.mixed_precision = false (no MixedPrecision: a base stored in param_dtype, fp32 adapters)"
         )
     for unit in build_units(s.model, s.parallel.wrap):
         label = "the root" if unit.is_root else f"unit {unit.name}"

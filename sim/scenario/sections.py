@@ -98,6 +98,11 @@ class Fsdp1Section:
     limit_all_gathers: bool = True
     use_orig_params: bool = False
     cpu_offload: bool = False  # CPUOffload(offload_params=True)
+    # false: FullyShardedDataParallel(mixed_precision=None) over a model stored in
+    # precision.param_dtype (llama-recipes' pure_bf16: model.to(bf16), then PEFT, then FSDP): each
+    # FlatParameter gathers, computes and reduces in its own dtype (LoRA: fp32 adapters, PEFT's
+    # autocast_adapter_dtype, over the low-precision frozen base)
+    mixed_precision: bool = True
 
     def options(self) -> Fsdp1Options:
         return Fsdp1Options(
@@ -106,6 +111,7 @@ class Fsdp1Section:
             limit_all_gathers=self.limit_all_gathers,
             use_orig_params=self.use_orig_params,
             offload_params=self.cpu_offload,
+            mixed_precision=self.mixed_precision,
         )
 
 
@@ -221,8 +227,10 @@ class FinetuneSection:
     def lora(self) -> bool:
         return self.method is not FinetuneMethod.FULL
 
-    def settings(self) -> dict[str, object]:
-        """What the model description is measured with (``hfmodel.finetune``)."""
+    def settings(self, *, adapter_dtype: str | None = None) -> dict[str, object]:
+        """What the model description is measured with (``hfmodel.finetune``); ``adapter_dtype``:
+        the adapters' own dtype where it differs from the compute dtype (fp32 adapters computing in
+        fp32 over a bf16 base, FSDP1 without MixedPrecision), else absent: they compute in it."""
         targets = list(self.target_modules) if isinstance(self.target_modules, tuple) else self.target_modules
         out: dict[str, object] = {
             "method": self.method.value,
@@ -233,6 +241,8 @@ class FinetuneSection:
         }
         if self.method is FinetuneMethod.QLORA:
             out |= {"quant_storage": self.quant_storage, "double_quant": self.double_quant}
+        if adapter_dtype is not None:
+            out["adapter_dtype"] = adapter_dtype
         return out
 
 

@@ -38,7 +38,7 @@ from sim.core.events import OpKind, Stream
 from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.schedule.base import Activations, ScheduleBuilder, UnitLayout
-from sim.schedule.model_state import fsdp1_unit_trains, numel_per_rank, unit_stored_bytes
+from sim.schedule.model_state import fsdp1_unit_trains, numel_per_rank, unit_dtype, unit_stored_bytes
 from sim.schedule.step import StepConfig
 from sim.workload.options import BackwardPrefetch, Fsdp1Options
 from sim.workload.units import ROOT
@@ -75,6 +75,12 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         # the flat parameter's own dtype (uniform within a unit), and whether it trains
         self.stored = {u.name: unit_stored_bytes(cfg, u) for u in cfg.units}
         self.trains = {u.name: fsdp1_unit_trains(u) for u in cfg.units}
+        # without MixedPrecision each flat parameter gathers, computes and reduces in its own dtype
+        mp = self.opts.mixed_precision
+        self.param_bytes = {u: cfg.param_bytes if mp else b for u, b in self.stored.items()}
+        self.reduce_bytes = {u: cfg.reduce_bytes if mp else b for u, b in self.stored.items()}
+        self.param_dtype = {u.name: cfg.param_dtype if mp else unit_dtype(u) for u in cfg.units}
+        self.reduce_dtype = {u.name: cfg.reduce_dtype if mp else unit_dtype(u) for u in cfg.units}
         self.catch_all: list[str] = []  # frozen units the final callback's catch-all reshards
         self.free_events: deque[int] = deque()  # the rate limiter's queue of free events
         self.last_unshard: int | None = None  # the unshard stream's last op: what compute waits for
@@ -123,7 +129,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
     def _unshard(self, unit: str) -> None:
         """``_unshard``: pre-unshard (the cast), the rate limiter, the all-gather (sharded
         strategies, unless already unsharded) or, for NO_SHARD, the cast as the unsharded copy."""
-        cfg, mb = self.cfg, self.mb
+        mb = self.mb
         already = unit in mb.unsharded
         if self.opts.limit_all_gathers and len(self.free_events) >= MAX_INFLIGHT_ALL_GATHERS:
             self._host_wait(self.free_events.popleft())
@@ -138,14 +144,14 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         allocs, frees, cast_s, deps = self._pre_unshard(unit, shard, deps)
         padded = self.layout.padded[unit]
         label = self.label("unsharded_flat_param", unit, mb.index)
-        allocs.append(Alloc(label=label, category=Mem.PARAMS, bytes=padded * cfg.param_bytes))
+        allocs.append(Alloc(label=label, category=Mem.PARAMS, bytes=padded * self.param_bytes[unit]))
         self.last_unshard = self.collective(
             OpKind.ALL_GATHER,
             Stream.ALL_GATHER,
             unit,
-            padded * cfg.param_bytes,
+            padded * self.param_bytes[unit],
             GroupKind.SHARD,
-            cfg.param_dtype,
+            self.param_dtype[unit],
             mb=mb.index,
             deps=deps,
             allocs=tuple(allocs),
@@ -156,7 +162,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
 
     def _mixed(self, unit: str) -> bool:
         """``_uses_param_mixed_precision``: the flat parameter's dtype is not ``param_dtype``."""
-        return self.stored[unit] != self.cfg.param_bytes
+        return self.stored[unit] != self.param_bytes[unit]
 
     def _pre_unshard(
         self, unit: str, shard: int, deps: tuple[int, ...]
@@ -316,7 +322,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
                 recomputed.add(seg.block)  # type: ignore[arg-type]
             end_allocs: tuple[Alloc, ...] = ()
             if self.trains[seg.unit]:
-                grad_bytes = sum(p.numel for p in cfg.gradient_params[i]) * cfg.param_bytes
+                grad_bytes = sum(p.numel for p in cfg.gradient_params[i]) * self.param_bytes[seg.unit]
                 grads = self.label("view_grads", seg.unit, mb.index)
                 mb.view_grads[seg.unit].append(grads)
                 end_allocs = (Alloc(label=grads, category=Mem.GRADS, bytes=grad_bytes),)
@@ -355,8 +361,8 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         reshard and prefetch, then the reduction on the post-backward stream."""
         cfg, mb = self.cfg, self.mb
         self.host(f"fsdp1 post-backward {unit}", unit, mb.index, cfg.costs.fsdp_backward_host_s)
-        flat_bytes = self.flat[unit] * cfg.param_bytes
-        final = not self.sharded and mb.index == 0 and cfg.param_bytes == cfg.master_bytes
+        flat_bytes = self.flat[unit] * self.param_bytes[unit]
+        final = not self.sharded and mb.index == 0 and self.param_bytes[unit] == cfg.master_bytes
         flat_grad = self.label("grads" if final else "flat_grad", unit, mb.index)
         if final:  # NO_SHARD in fp32: the flat gradient is the .grad the optimizer reads
             self.grad_labels.append(flat_grad)
@@ -384,38 +390,40 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         new tensor freed with the flat gradient when the reduction is done (``record_stream``)."""
         cfg, mb = self.cfg, self.mb
         padded, flat = self.layout.padded[unit], self.flat[unit]
+        param_b, reduce_b = self.param_bytes[unit], self.reduce_bytes[unit]
         allocs: list[Alloc] = []
         frees, extra_s = [flat_grad], 0.0
-        if cfg.param_bytes != cfg.reduce_bytes:  # flat_param.grad.to(reduce_dtype)
+        if param_b != reduce_b:  # flat_param.grad.to(reduce_dtype)
             cast = self.label("reduce_dtype_grad", unit, mb.index)
-            allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=flat * cfg.reduce_bytes))
+            allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=flat * reduce_b))
             frees.append(cast)
-            extra_s += cfg.costs.copy_s(flat * max(cfg.param_bytes, cfg.reduce_bytes))
+            extra_s += cfg.costs.copy_s(flat * max(param_b, reduce_b))
         if padded > flat:  # F.pad to a multiple of the world size
             pad = self.label("padded_grad", unit, mb.index)
-            allocs.append(Alloc(label=pad, category=Mem.COMM_BUFFERS, bytes=padded * cfg.reduce_bytes))
+            allocs.append(Alloc(label=pad, category=Mem.COMM_BUFFERS, bytes=padded * reduce_b))
             frees.append(pad)
-            extra_s += cfg.costs.copy_s(padded * cfg.reduce_bytes)
+            extra_s += cfg.costs.copy_s(padded * reduce_b)
         return allocs, frees, extra_s
 
     def _reduce_output(self, unit: str, shard: int) -> tuple[Alloc, tuple[Alloc, ...], float]:
         """The new shard the reduce-scatter writes, and (first micro-batch, cast dtype) the fp32
         tensor that becomes ``_saved_grad_shard`` after it."""
         cfg, mb = self.cfg, self.mb
-        is_saved = mb.index == 0 and cfg.reduce_bytes == cfg.master_bytes  # becomes _saved_grad_shard
+        reduce_b = self.reduce_bytes[unit]
+        is_saved = mb.index == 0 and reduce_b == cfg.master_bytes  # becomes _saved_grad_shard
         out = self.label("sharded_grads" if is_saved else "reduce_scatter_output", unit, mb.index)
         category = Mem.GRADS if is_saved else Mem.COMM_BUFFERS
         keep = self.offloaded_grads if self.opts.offload_params else self.grad_labels
         if is_saved:
             keep.append(out)
-            return Alloc(label=out, category=category, bytes=shard * cfg.reduce_bytes), (), 0.0
+            return Alloc(label=out, category=category, bytes=shard * reduce_b), (), 0.0
         saved: tuple[Alloc, ...] = ()
         if mb.index == 0:  # cast back to fp32: the new tensor is _saved_grad_shard
             label = self.label("sharded_grads", unit, mb.index)
             keep.append(label)
             saved = (Alloc(label=label, category=Mem.GRADS, bytes=shard * cfg.master_bytes),)
         extra_s = cfg.costs.copy_s(shard * cfg.master_bytes) if saved else 0.0
-        return Alloc(label=out, category=category, bytes=shard * cfg.reduce_bytes), saved, extra_s
+        return Alloc(label=out, category=category, bytes=shard * reduce_b), saved, extra_s
 
     def _reduce_scatter(self, unit: str, after: int, flat_grad: str) -> None:
         """``_reduce_grad``: cast, pad, reduce-scatter (HSDP: all-reduce), cast back, accumulate."""
@@ -430,9 +438,9 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
             OpKind.REDUCE_SCATTER,
             Stream.REDUCE_SCATTER,
             unit,
-            padded * cfg.reduce_bytes,
+            padded * self.reduce_bytes[unit],
             GroupKind.SHARD,
-            cfg.reduce_dtype,
+            self.reduce_dtype[unit],
             mb=mb.index,
             deps=(after,),
             allocs=(*allocs, out),
@@ -446,9 +454,9 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
                 OpKind.ALL_REDUCE,
                 Stream.ALL_REDUCE,
                 unit,
-                shard * cfg.reduce_bytes,
+                shard * self.reduce_bytes[unit],
                 GroupKind.REPLICATE,
-                cfg.reduce_dtype,
+                self.reduce_dtype[unit],
                 mb=mb.index,
                 deps=(rs,),
                 frees=output_frees,
@@ -464,21 +472,22 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         cast back to fp32; from the second micro-batch autograd accumulates into ``.grad`` first."""
         cfg, mb = self.cfg, self.mb
         flat = self.flat[unit]
+        param_b, reduce_b = self.param_bytes[unit], self.reduce_bytes[unit]
         allocs: list[Alloc] = []
         frees: list[str] = []
         saved: tuple[Alloc, ...] = ()
         if flat_grad is not None:
             frees.append(flat_grad)
-        if cfg.reduce_bytes != cfg.param_bytes:
+        if reduce_b != param_b:
             buffer = self.label("reduce_dtype_grad", unit, mb.index)
-            becomes_grad = mb.index == 0 and cfg.reduce_bytes == cfg.master_bytes
+            becomes_grad = mb.index == 0 and reduce_b == cfg.master_bytes
             category = Mem.GRADS if becomes_grad else Mem.COMM_BUFFERS
-            allocs.append(Alloc(label=buffer, category=category, bytes=flat * cfg.reduce_bytes))
+            allocs.append(Alloc(label=buffer, category=category, bytes=flat * reduce_b))
             if becomes_grad:
                 self.grad_labels.append(buffer)
             else:
                 frees.append(buffer)
-        if mb.index == 0 and cfg.param_bytes != cfg.master_bytes and cfg.reduce_bytes != cfg.master_bytes:
+        if mb.index == 0 and param_b != cfg.master_bytes and reduce_b != cfg.master_bytes:
             label = self.label("grads", unit, mb.index)
             self.grad_labels.append(label)
             saved = (Alloc(label=label, category=Mem.GRADS, bytes=flat * cfg.master_bytes),)
@@ -487,15 +496,15 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
                 OpKind.ALL_REDUCE,
                 Stream.ALL_REDUCE,
                 unit,
-                flat * cfg.reduce_bytes,
+                flat * reduce_b,
                 self.reduce_group,
-                cfg.reduce_dtype,
+                self.reduce_dtype[unit],
                 mb=mb.index,
                 deps=(after,),
                 allocs=tuple(allocs),
                 frees=tuple(frees),
                 end_allocs=saved,
-                extra_s=cfg.costs.copy_s(flat * cfg.reduce_bytes) if allocs or saved else 0.0,
+                extra_s=cfg.costs.copy_s(flat * reduce_b) if allocs or saved else 0.0,
             )
         )
 

@@ -54,6 +54,12 @@ def unit_stored_bytes(step: StepConfig, unit: WrapUnit) -> int:
     return max(stored_bytes(step, p) for p in unit.params) if unit.params else step.master_bytes
 
 
+def unit_dtype(unit: WrapUnit) -> str:
+    """The dtype name of an FSDP1 unit's ``FlatParameter``: its frozen parameters' own, else the
+    fp32 masters'."""
+    return next((p.dtype for p in unit.params if p.dtype is not None), "fp32")
+
+
 def fsdp1_unit_trains(unit: WrapUnit) -> bool:
     """FSDP1: the ``FlatParameter`` requires a gradient (uniform within a unit, the checks ensure)."""
     return any(p.trainable for p in unit.params)

@@ -209,6 +209,7 @@ def _finetune(raw: Any, where: str) -> FinetuneFacts | None:
         quantized=frozenset(r.get("quantized", list)),
         quant_storage=raw.get("quant_storage", "bf16"),
         double_quant=bool(raw.get("double_quant", True)),
+        adapter_dtype=raw.get("adapter_dtype"),
     )
 
 

@@ -51,17 +51,21 @@ class FinetuneFacts:
     quantized: frozenset[str]
     quant_storage: str = "bf16"
     double_quant: bool = True
+    adapter_dtype: str | None = None  # the adapters' own compute dtype, where not the base's
 
     def lora_settings(self) -> dict[str, Any]:
         """The LoRA settings as ``hfmodel.finetune.apply_lora`` takes them (PEFT's ``LoraConfig``)."""
         targets = self.target_modules
-        return {
+        out: dict[str, Any] = {
             "method": self.method,
             "rank": self.rank,
             "alpha": self.alpha,
             "dropout": self.dropout,
             "target_modules": list(targets) if isinstance(targets, tuple) else targets,
         }
+        if self.adapter_dtype is not None:
+            out["adapter_dtype"] = self.adapter_dtype
+        return out
 
 
 def packed_rows(numel: int, storage: str) -> int:

@@ -94,6 +94,8 @@ class Fsdp1Options:
     limit_all_gathers: bool = True
     use_orig_params: bool = False
     offload_params: bool = False  # CPUOffload(offload_params=True)
+    # False: no MixedPrecision; each FlatParameter gathers, computes and reduces in its own dtype
+    mixed_precision: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
