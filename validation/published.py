@@ -105,6 +105,124 @@ RUNS: list[PublishedRun] = [
 ]
 
 
+# -- peak memory (development set: allocated/active and reserved, as the source measured them) ---
+
+COOKBOOK = (
+    "meta-llama/llama-cookbook PR #41 (awgu, 2023-07-25, commit e5970e2e), 4 x A100-40GB: "
+    "`torchrun --nproc_per_node 4 llama_finetuning.py --enable_fsdp --use_peft --peft_method lora "
+    "--model_name llama-2-7b-hf --pure_bf16`"
+)
+COOKBOOK_NOTE = (
+    "as the PR's code ran it: FSDP1 FULL_SHARD with mixed_precision=None over model.to(bf16) and PEFT's "
+    "fp32 adapters (LoRA r8, alpha 32, dropout 0.05, q_proj/v_proj; the llama-recipes wrap of every "
+    "trainable leaf module and each LlamaDecoderLayer), limit_all_gathers=True, every decoder layer "
+    "checkpointed (apply_activation_checkpointing, non-reentrant), batch 4 x 2048 tokens (samsum packed "
+    "by Concatenator(chunk_size=2048)), torch.optim.AdamW, `loss = model(**batch).loss`; transformers "
+    "4.31's Llama (no SDPA: eager attention) with the config's use_cache = True. Simulated with today's "
+    "transformers' Llama in eager mode (same ops: q@k^T, the float mask added, fp32 softmax cast back, @v). "
+    "'GB' read as 10^9 bytes"
+)
+MEMORY_TARGET = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishedMemoryRun:
+    name: str
+    source: str
+    tables: dict[str, dict[str, Any]]
+    active_gb: float  # the source's peak active (allocated, in whole caching-allocator blocks)
+    reserved_gb: float  # the source's peak reserved
+    note: str = ""
+
+
+def _cookbook_lora(tables_update: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    tables: dict[str, dict[str, Any]] = {
+        "model": {"preset": "meta-llama/Llama-2-7b-hf", "use_cache": True},
+        "training": {"micro_batch": 4, "seq_len": 2048, "attention": "eager"},
+        "parallel": {"world_size": 4, "strategy": "FULL_SHARD", "fsdp_version": 1, "wrap": "peft"},
+        "fsdp1": {"mixed_precision": False, "limit_all_gathers": True},
+        "precision": {"param_dtype": "bf16"},
+        "checkpointing": {"mode": "full"},
+        "finetune": {
+            "method": "lora",
+            "rank": 8,
+            "alpha": 32,
+            "dropout": 0.05,
+            "target_modules": ["q_proj", "v_proj"],
+        },
+        "optimizer": {"name": "adamw"},
+        "cluster": {"profile": "a100-sxm-40g", "gpus_per_node": 4},
+    }
+    for name, values in (tables_update or {}).items():
+        tables[name].update(values)
+    return tables
+
+
+MEMORY_RUNS: list[PublishedMemoryRun] = [
+    PublishedMemoryRun(
+        name="llama-recipes Llama-2-7B LoRA, pure bf16, full AC, 4 x A100-40GB (PR #41, final)",
+        source=COOKBOOK,
+        tables=_cookbook_lora(),
+        active_gb=15.22,
+        reserved_gb=19.36,
+        note=COOKBOOK_NOTE,
+    ),
+]
+# the same PR's other two figures keep the model's output (logits and the K/V cache) alive through
+# backward (`outputs = model(**batch); loss = outputs.loss`), and one also runs without the rate
+# limiter, where the GPU host runs all-gathers ahead; neither is modelled, so neither is predicted
+NOT_PREDICTED = [
+    "PR #41, `outputs = model(**batch)` kept through backward (20.20 / 27.36 GB, and 25.86 / 32.67 without "
+    "limit_all_gathers): the training loop holding the model's output object is not a scenario option",
+    "PR #165 (14.93 / 19.52 GB): a prototype per-parameter FSDP on 8 GPUs, not a released system",
+]
+
+
+def _memory_row(run: PublishedMemoryRun) -> tuple[str, list[float]]:
+    r = predict_tables(run.name, run.tables)
+    allocated, reserved = r.peak_memory_bytes / 1e9, r.peak_reserved_bytes / 1e9
+    errors = [allocated / run.active_gb - 1, reserved / run.reserved_gb - 1]
+    return (
+        f"| {run.name} | {allocated:.2f} | {run.active_gb:.2f} | {errors[0]:+.1%} | {reserved:.2f} | "
+        f"{run.reserved_gb:.2f} | {errors[1]:+.1%} |",
+        errors,
+    )
+
+
+def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
+    lines = [
+        "### Peak memory (development set)",
+        "",
+        "Predicted peak allocated against the published peak active, predicted peak reserved (the caching "
+        "allocator's model, `sim/outputs/allocator.py`) against the published reserved; GB = 10^9 bytes.",
+        "",
+        "| run | predicted allocated GB | published active GB | error | predicted reserved GB | published reserved GB | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    errors: list[float] = []
+    for run in runs:
+        line, e = _memory_row(run)
+        lines.append(line)
+        errors += e
+    worst = max(abs(e) for e in errors)
+    lines += [
+        "",
+        f"Worst |error| {worst:.1%} (target {MEMORY_TARGET:.0%} where published: "
+        f"{'met' if worst <= MEMORY_TARGET else 'NOT met'}).",
+        "",
+        "Not predicted:",
+        *[f"- {line}" for line in NOT_PREDICTED],
+        "",
+        "Sources and assumptions:",
+        *sorted({f"- {run.source}; {run.note}" for run in runs}),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def predict_tables(name: str, tables: dict[str, dict[str, Any]]) -> StepReport:
+    return build_report(simulate(scenario_from_dict(tables, name)))
+
+
 def predict(run: PublishedRun) -> StepReport:
     return build_report(simulate(scenario_from_dict(run.tables, run.name, run.overrides)))
 
@@ -148,7 +266,7 @@ def published_section(runs: list[PublishedRun] = RUNS) -> str:
         "Sources and assumptions:",
     ]
     lines += sorted({f"- {run.source}; {run.note}" for run in runs})
-    return "\n".join(lines) + "\n\n" + network_section()
+    return "\n".join(lines) + "\n\n" + memory_section() + "\n" + network_section()
 
 
 def write_published(path: str | Path = "VALIDATION.md") -> str:
