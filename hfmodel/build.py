@@ -17,9 +17,10 @@ from sim.errors import UserError
 CHECKPOINT_KEYS = ("quantization_config", "auto_map", "_name_or_path", "transformers_version")
 
 
-def hf_config(config: dict[str, Any], *, attn: str = "sdpa") -> Any:
+def hf_config(config: dict[str, Any], *, attn: str = "sdpa", use_cache: bool = False) -> Any:
     """The ``PretrainedConfig`` of a config.json dict (its ``model_type`` picks the class); the dict
-    is copied first, as transformers rewrites nested ones (``rope_scaling``) in place."""
+    is copied first, as transformers rewrites nested ones (``rope_scaling``) in place. ``use_cache``:
+    the KV cache a training forward keeps (a scenario's ``model.use_cache``; off by default)."""
     from transformers import AutoConfig
 
     data = copy.deepcopy({k: v for k, v in config.items() if k not in CHECKPOINT_KEYS})
@@ -34,7 +35,8 @@ def hf_config(config: dict[str, Any], *, attn: str = "sdpa") -> Any:
         from hfmodel.probe import register_probe
 
         register_probe()
-    cfg.use_cache = False  # training: no KV cache (with checkpointing a cache keeps every layer's K/V)
+    # training: no KV cache unless asked (with checkpointing a cache keeps every layer's K/V)
+    cfg.use_cache = use_cache
     cfg._attn_implementation = attn
     # MoE experts: transformers' default, "grouped_mm", is what runs (left unset on purpose: dense
     # classes refuse the setting)

@@ -27,7 +27,7 @@ from sim.schedule.fsdp2 import build_fsdp2_program
 from sim.schedule.step import StepConfig
 from sim.schedule.zero import build_zero12_program
 from sim.schedule.zero3 import build_zero3_program
-from sim.workload.checkpointing import block_input_bytes, checkpoint_plan
+from sim.workload.checkpointing import block_input_bytes, checkpoint_plan, kv_cache_bytes
 from sim.workload.expert_parallel import expert_parallel_view, split_at_experts
 from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
@@ -181,6 +181,7 @@ def build_step(
         reduce_dtype=scenario.reduce_dtype,
         reduce_bytes=dtype_bytes(scenario.reduce_dtype),
         block_input_bytes=block_input_bytes(model, workload),
+        kv_cache_bytes=kv_cache_bytes(model, workload) if scenario.use_cache else (),
         buffer_bytes=model_buffer_bytes(model)
         * dtype_bytes(_buffer_dtype(scenario))
         // dtype_bytes(MASTER_DTYPE),

@@ -22,25 +22,28 @@ from sim.workload.units import unit_prefixes
 from validation.sac_policy import op_sac_context, sac_save_list  # noqa: F401 (re-exported)
 
 
-def build_llama(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
+def build_llama(model: ModelConfig, seq_len: int, seed: int = 0, use_cache: bool = False) -> nn.Module:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(model, seq_len))
+    config = llama_config(model, seq_len)
+    config.use_cache = use_cache
+    return LlamaForCausalLM(config)
 
 
-def build_model(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
+def build_model(model: ModelConfig, seq_len: int, seed: int = 0, use_cache: bool = False) -> nn.Module:
     """The scenario's model: a described one from its own config.json (SDPA attention), else Llama.
     Fine-tuned with LoRA: the base in the compute dtype it was described in, PEFT's adapters on it
-    (fp32, PEFT's default over a lower-precision base)."""
+    (fp32, PEFT's default over a lower-precision base). ``use_cache``: the scenario's
+    ``model.use_cache``, the KV cache its forward keeps."""
     if model.description is None:
-        return build_llama(model, seq_len, seed)
+        return build_llama(model, seq_len, seed, use_cache)
     import json
 
     from hfmodel.build import build_causal_lm, hf_config
 
     d = model.description
-    config = hf_config(json.loads(d.config_json))
+    config = hf_config(json.loads(d.config_json), use_cache=use_cache)
     if d.finetune is None:
         return build_causal_lm(config, seed=seed)
     from hfmodel.build import block_prefixes

@@ -105,7 +105,7 @@ def _described_model(section: ModelSection, built: dict[str, Any], where: str) -
     extra = [
         f"model.{f.name}"
         for f in fields(section)
-        if f.name not in ("preset", "config") and getattr(section, f.name) is not None
+        if f.name not in ("preset", "config", "use_cache") and getattr(section, f.name) is not None
     ]
     if section.config is None and (section.preset is None or section.preset in PRESETS):
         extra = []  # a hand-written model's dimensions, already applied
@@ -139,7 +139,11 @@ def _resolve_model(section: ModelSection, built: dict[str, Any], where: str) -> 
     described = _described_model(section, built, where)
     if described is not None:
         return described
-    dims = {f.name: getattr(section, f.name) for f in fields(section) if f.name not in ("preset", "config")}
+    dims = {
+        f.name: getattr(section, f.name)
+        for f in fields(section)
+        if f.name not in ("preset", "config", "use_cache")
+    }
     given = {k: v for k, v in dims.items() if v is not None}
     if section.preset is not None:
         if section.preset not in PRESETS:
@@ -169,6 +173,7 @@ def _check(s: Scenario, where: str) -> None:
     for name in ("micro_batch", "seq_len", "grad_accum"):
         positive(f"training.{name}", getattr(s.training, name))
     _check_decoder_seq_len(s, where)
+    _check_use_cache(s, where)
     avg = s.training.avg_seq_len
     if avg is not None and not 0 < avg <= s.training.seq_len:
         raise UserError(
@@ -529,17 +534,31 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
     built = {name: _build_section(name, cls, data.get(name, {}), where) for name, cls in SECTIONS.items()}
     _check_precision(built["precision"], where)
     _check_finetune(built["finetune"], built["precision"].param_dtype, where)
-    model = _resolve_model(built.pop("model"), built, where)
+    model_section = built.pop("model")
+    model = _resolve_model(model_section, built, where)
     built["cluster"], spec = _cluster(data.get("cluster", {}), built["cluster"], where)
     scenario = Scenario(
         source=where,
         model=model,
+        use_cache=model_section.use_cache,
         gpus_per_node=_gpus_per_node(built["cluster"], spec, where),
         cluster_spec=spec,
         **built,
     )
     _check(scenario, where)
     return replace(scenario, warnings=_warnings(scenario, where))
+
+
+def _check_use_cache(s: Scenario, where: str) -> None:
+    """model.use_cache is modelled for decoder-only models (a self-attention K/V per block)."""
+    if not s.use_cache:
+        return
+    d = s.model.description
+    if d is not None and d.decoder_seq_len is not None:
+        raise UserError(
+            f"{where}: model.use_cache is not modelled for encoder-decoder models ({s.model.name}: its "
+            "decoder caches self- and cross-attention K/V); set model.use_cache = false"
+        )
 
 
 def _check_decoder_seq_len(s: Scenario, where: str) -> None:

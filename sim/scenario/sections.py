@@ -36,6 +36,9 @@ class ModelSection:
     ffn_hidden: int | None = None
     vocab: int | None = None
     tie_embeddings: bool | None = None
+    # true: HF's KV cache on in the training forward (llama-recipes 2023: config's use_cache with
+    # apply_activation_checkpointing); every block's K/V lives to the forward's end
+    use_cache: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,6 +281,7 @@ class Scenario:
     cluster_spec: ClusterSpec | None = None  # the cluster cluster.name names, read at load
     warnings: tuple[str, ...] = ()  # what the scenario asks that its model was not built for
     finetune: FinetuneSection = FinetuneSection()
+    use_cache: bool = False  # model.use_cache
 
     @property
     def param_dtype(self) -> str:

@@ -27,6 +27,7 @@ class Activations:
     kept: dict[int, str] = field(default_factory=dict)  # segment -> outputs op-level SAC keeps
     # block -> what of a checkpointed block's saves an unchecked region after it keeps
     kept_after_block: dict[int, list[str]] = field(default_factory=dict)
+    kv_cache: list[str] = field(default_factory=list)  # model.use_cache: each block's cached K/V
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,6 +270,16 @@ class ScheduleBuilder:
                 )
         else:
             acts.saved[i] = saved
+        # model.use_cache: the cache keeps a checkpointed block's K/V past the block (an unchecked
+        # block's are saved for its backward anyway: the cache shares their storage)
+        cached = cfg.kv_cache_bytes[block] if cfg.kv_cache_bytes and block is not None else 0
+        if cached and self.checkpointed(i) and self.first_of_block(i):
+            cache = self.label("kv_cache", seg.unit, mb)
+            acts.kv_cache.append(cache)
+            allocs.append(Alloc(label=cache, category=MemoryCategory.ACTIVATIONS, bytes=cached))
+        if i == len(cfg.segments) - 1 and self._cache_holder() is None:  # the output (and cache) dropped
+            frees += acts.kv_cache
+            acts.kv_cache = []
         transient = self.label("forward_temp", seg.unit, mb)
         allocs += [
             *extra_allocs,
@@ -286,6 +297,17 @@ class ScheduleBuilder:
             host_s=fig.forward_host_s,
         )
 
+    def _cache_holder(self) -> int | None:
+        """model.use_cache with checkpointing: the block whose checkpoint region holds the
+        ``DynamicCache`` longest. Non-reentrant checkpointing keeps each region's inputs, the
+        cache object among its keyword arguments, until the region's backward: the cache (every
+        block's K/V) lives to the end of the first checkpointed block's backward (transformers
+        5.24, measured in fake mode). None: no cache, or no checkpointed block holds it (the
+        cache dies with the model's output at the forward's end)."""
+        if not self.cfg.kv_cache_bytes or not self.cfg.checkpoint.blocks:
+            return None
+        return min(self.cfg.checkpoint.blocks)
+
     def _next_region_checkpointed(self, i: int) -> bool:
         """Whether the ops right after segment ``i``'s block are a checkpoint region too (the
         next block checkpointed): then they keep nothing of the block, only their own input."""
@@ -301,11 +323,17 @@ class ScheduleBuilder:
         backward has run), and is dropped as the recompute starts."""
         selective = self.cfg.checkpoint.selective_op
         start_frees = tuple(acts.kept_after_block.pop(block, ()))
+        cache = self.cfg.kv_cache_bytes[block] if self._cache_holder() is not None else 0
         for i, seg in enumerate(self.cfg.segments):
             if seg.block != block:
                 continue
             self._before_recompute(i, mb)
             fig = self.cfg.figures[i]
+            extra: tuple[Alloc, ...] = ()
+            if cache:  # the recompute appends the block's K/V to the cache it still holds
+                label = self.label("kv_cache_recomputed", seg.unit, mb)
+                acts.kv_cache.append(label)
+                extra, cache = (Alloc(label=label, category=MemoryCategory.ACTIVATIONS, bytes=cache),), 0
             recomputed_bytes = max(0, fig.saved_bytes - fig.sac_kept_bytes) if selective else fig.saved_bytes
             saved = self.label("recomputed_activations", seg.unit, mb)
             transient = self.label("recompute_temp", seg.unit, mb)
@@ -319,6 +347,7 @@ class ScheduleBuilder:
                 allocs=(
                     Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=recomputed_bytes),
                     Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.forward_transient_bytes),
+                    *extra,
                 ),
                 frees=(transient,),
                 start_frees=start_frees,
@@ -354,6 +383,9 @@ class ScheduleBuilder:
             frees.append(acts.kept.pop(i))
         if seg.block is not None and seg.block in acts.block_inputs and self.first_of_block(i):
             frees.append(acts.block_inputs.pop(seg.block))
+            if seg.block == self._cache_holder():  # its region lets the cache go
+                frees += acts.kv_cache
+                acts.kv_cache = []
         return self.compute(
             OpKind.BACKWARD,
             seg.name,

@@ -49,6 +49,9 @@ class StepConfig:
     # what each checkpointed block keeps, by block: its input activations
     # (``sim.workload.checkpointing.block_input_bytes``)
     block_input_bytes: tuple[int, ...]
+    # model.use_cache: what HF's KV cache holds of each block from its forward to the forward's
+    # end (``sim.workload.checkpointing.kv_cache_bytes``); empty: no cache
+    kv_cache_bytes: tuple[int, ...] = ()
     buffer_bytes: int  # unsharded module buffers (RoPE inverse frequencies)
     collective_temp_buffers: bool
     ddp_bucket_bytes: int

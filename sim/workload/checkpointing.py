@@ -68,3 +68,20 @@ def block_input_bytes(cfg: ModelConfig, w: Workload) -> tuple[int, ...]:
     for block, nbytes in biases.values():
         out[block] += nbytes
     return tuple(out)
+
+
+def kv_cache_bytes(cfg: ModelConfig, w: Workload) -> tuple[int, ...]:
+    """What HF's KV cache (``model.use_cache``) holds of each block to the forward's end: its
+    self-attention's key and value states (after RoPE; a GQA model's kv heads, before
+    ``repeat_kv``). A described model's from the attention calls its tracer recorded (their heads
+    and head dims), a preset's from its dimensions, 2 × tokens × kv_dim × activation bytes."""
+    d = cfg.description
+    if d is None:
+        return (2 * w.tokens * cfg.kv_dim * w.act_bytes,) * cfg.n_layers
+    out = [0] * len(d.blocks)
+    for op in d.ops:
+        a, b = op.attention, op.block
+        if a is None or b is None or a.kv_seq_len is not None:
+            continue
+        out[b] += a.batch * a.seq_len * a.kv_heads * (a.head_dim + a.v_head_dim) * w.act_bytes
+    return tuple(out)
