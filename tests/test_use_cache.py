@@ -35,8 +35,12 @@ def test_the_cache_holds_each_blocks_kv_heads(tmp_path: Path, model: str) -> Non
     assert simulate(load_scenario(path)).step.kv_cache_bytes == ()
 
 
-@pytest.mark.parametrize("fsdp", ["parallel.fsdp_version=2", "parallel.fsdp_version=1", "parallel.strategy=NO_SHARD"])
-def test_the_cache_lives_from_each_blocks_forward_to_the_first_blocks_backward(tmp_path: Path, fsdp: str) -> None:
+@pytest.mark.parametrize(
+    "fsdp", ["parallel.fsdp_version=2", "parallel.fsdp_version=1", "parallel.strategy=NO_SHARD"]
+)
+def test_the_cache_lives_from_each_blocks_forward_to_the_first_blocks_backward(
+    tmp_path: Path, fsdp: str
+) -> None:
     """One kv_cache per block at its forward, one more at its recompute, all freed together at
     the end of block 0's backward (the last region to let the cache go)."""
     path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
@@ -79,7 +83,9 @@ def test_memory_matches_the_real_model_with_its_cache(tmp_path: Path, fsdp: str)
     1 % with the cache on and off, and the cache's bytes the difference on both sides."""
     from validation.memory_only import validate_memory_only
 
-    path = str(_scenario(tmp_path, f'config = "{DATA / "tiny-llama.json"}"', '[checkpointing]\nmode = "full"\n'))
+    path = str(
+        _scenario(tmp_path, f'config = "{DATA / "tiny-llama.json"}"', '[checkpointing]\nmode = "full"\n')
+    )
     peaks = {}
     for value in ("true", "false"):
         comparison, _ = validate_memory_only(path, [fsdp, f"model.use_cache={value}"], timeout_s=300)
