@@ -22,25 +22,28 @@ from sim.workload.units import unit_prefixes
 from validation.sac_policy import op_sac_context, sac_save_list  # noqa: F401 (re-exported)
 
 
-def build_llama(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
+def build_llama(model: ModelConfig, seq_len: int, seed: int = 0, attention: str = "sdpa") -> nn.Module:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(model, seq_len))
+    config = llama_config(model, seq_len)
+    config._attn_implementation = attention
+    return LlamaForCausalLM(config)
 
 
-def build_model(model: ModelConfig, seq_len: int, seed: int = 0) -> nn.Module:
-    """The scenario's model: a described one from its own config.json (SDPA attention), else Llama.
+def build_model(model: ModelConfig, seq_len: int, seed: int = 0, attention: str = "sdpa") -> nn.Module:
+    """The scenario's model: a described one from its own config.json, else Llama, with
+    ``attn_implementation = attention`` (``training.attention``: "sdpa" or "eager").
     Fine-tuned with LoRA: the base in the compute dtype it was described in, PEFT's adapters on it
     (fp32, PEFT's default over a lower-precision base)."""
     if model.description is None:
-        return build_llama(model, seq_len, seed)
+        return build_llama(model, seq_len, seed, attention)
     import json
 
     from hfmodel.build import build_causal_lm, hf_config
 
     d = model.description
-    config = hf_config(json.loads(d.config_json))
+    config = hf_config(json.loads(d.config_json), attn=attention)
     if d.finetune is None:
         return build_causal_lm(config, seed=seed)
     from hfmodel.build import block_prefixes

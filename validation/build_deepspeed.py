@@ -32,7 +32,9 @@ class DeepSpeedTrainer:
         self.rank = dist.get_rank()
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
-        model = build_model(scenario.model, scenario.training.seq_len)
+        model = build_model(
+            scenario.model, scenario.training.seq_len, attention=scenario.training.attention.value
+        )
         c = scenario.checkpointing
         plan = checkpoint_plan(c.mode, c.selective, scenario.model.n_layers)
         if plan.active:  # non-reentrant, per decoder layer, before DeepSpeed wraps the model

@@ -67,7 +67,9 @@ class FakeTrainer(Trainer):
     def __init__(self, scenario: Scenario, mesh: Any):  # noqa: D107 (same fields as Trainer)
         self.scenario = scenario
         self.rank = dist.get_rank()
-        model = build_model(scenario.model, scenario.training.seq_len)
+        model = build_model(
+            scenario.model, scenario.training.seq_len, attention=scenario.training.attention.value
+        )
         self.wrapped = wrap(model, scenario, mesh)
         self.model = self.wrapped.model
         self.ddp_counts = {}

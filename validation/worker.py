@@ -69,7 +69,9 @@ class Trainer:
             torch.cuda.set_device(self.device)
         no_shard = scenario.parallel.strategy is Strategy.NO_SHARD
         mesh = None if no_shard else _mesh(scenario, self.device.type)
-        model = build_model(scenario.model, scenario.training.seq_len)
+        model = build_model(
+            scenario.model, scenario.training.seq_len, attention=scenario.training.attention.value
+        )
         if no_shard:
             model = model.to(self.device)  # fully_shard moves parameters to the mesh's device itself
         self.wrapped = wrap(model, scenario, mesh)
