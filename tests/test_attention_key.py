@@ -30,7 +30,7 @@ def test_eager_keeps_the_s2_tensors_of_a_preset(tmp_path: Path) -> None:
     eager = simulate(load_scenario(_scenario(tmp_path, 'attention = "eager"\n')))
     # per layer: 32 heads x 4096^2 scores, each keeping the fp32 softmax and its bf16 cast (6 B)
     saved = [sum(op.saved_bytes for op in r.layer_ops) for r in (sdpa, eager)]
-    assert saved[1] - saved[0] > 32 * 32 * 4096**2 * 6
+    assert saved[1] - saved[0] > 0.99 * 32 * 32 * 4096**2 * 6
 
 
 def test_sdpa_is_the_profiles_kernel(tmp_path: Path) -> None:
