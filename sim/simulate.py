@@ -16,6 +16,7 @@ from sim.costs.collectives import CollectiveCost, collective_cost
 from sim.costs.compute import build_compute_costs
 from sim.costs.offload import HostCosts
 from sim.dtypes import dtype_bytes
+from sim.errors import UserError
 from sim.hardware.cluster import default_cluster
 from sim.hardware.network import Network, job_network
 from sim.hardware.registry import builtin_devices, load_profile
@@ -33,7 +34,7 @@ from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
 from sim.workload.layers import LayerOp, Workload, model_buffer_bytes
 from sim.workload.model import ModelConfig
-from sim.workload.options import Strategy, WrapPolicy
+from sim.workload.options import AttentionImpl, Strategy, WrapPolicy
 from sim.workload.units import build_segments, build_units
 
 MASTER_DTYPE = "fp32"  # FSDP2 keeps sharded parameters, gradients and optimizer states in fp32
@@ -107,12 +108,36 @@ def scenario_network(scenario: Scenario, profile: HardwareProfile) -> Network | 
     )
 
 
+def attention_profile(scenario: Scenario, profile: HardwareProfile) -> HardwareProfile:
+    """``profile`` running the scenario's ``training.attention``: "sdpa" leaves it as it is (its
+    kernel: the calibrated one, else the backend's); "eager" costs every attention op as HF's eager
+    path (``sim.workload.eager_attention``: memory op by op, FLOPs of the full s² matmuls, a GPU's
+    time as matmuls plus memory-bound softmax). Refused where the simulator cannot say: a profile
+    whose compute section timed SDPA's kernel (the calibration does not time the eager path), and
+    a model whose attention adds a position bias (T5: its eager path is not described)."""
+    if scenario.training.attention is AttentionImpl.SDPA:
+        return profile
+    where = f'{scenario.source}: training.attention = "eager"'
+    if profile.compute is not None:
+        raise UserError(
+            f"{where}: profile {profile.name}'s compute section timed SDPA's kernel, not HF's eager "
+            "attention; use an uncalibrated profile"
+        )
+    d = scenario.model.description
+    if d is not None and any(op.attention is not None and op.attention.bias for op in d.ops):
+        raise UserError(
+            f"{where}: model {d.name}'s attention adds a position bias, whose eager path is not described"
+        )
+    return replace(profile, backend=replace(profile.backend, attention_kernel="eager"))
+
+
 def build_step(
     scenario: Scenario, profile: HardwareProfile, network: Network | None = None
 ) -> tuple[StepConfig, Topology, Sequence[LayerOp]]:
     """Everything the schedule builders need, from a scenario and a profile (and the scenario's
     network on that profile, ``scenario_network``, when the caller has it already)."""
     model, training, parallel = scenario.model, scenario.training, scenario.parallel
+    profile = attention_profile(scenario, profile)
     workload = Workload(
         micro_batch=training.micro_batch,
         seq_len=training.seq_len,

@@ -49,13 +49,22 @@ def _key(t):
     return StorageWeakRef(t.untyped_storage()).cdata
 
 
-def _measure(dtype, softcap: float | None, kv_heads: int, dropout: float) -> tuple[int, int, int]:
+def _measure(
+    dtype, softcap: float | None, kv_heads: int, dropout: float, family: str = "gemma2"
+) -> tuple[int, int, int]:
     """(saved, forward transient, backward transient) of one real call, as the simulator counts
     them: saved storages (q, k and v among them when kept); the forward's most alive of what the
     call made, less what it keeps, its output (the model's: its projection keeps it) excepted;
     the backward's most alive above its start, the gradients it hands back for q, k and v (the
     model's) excepted."""
-    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+    if family == "llama":  # no soft-capping argument
+        from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
+
+        def eager_attention_forward(*args, softcap, **kwargs):
+            assert softcap is None
+            return llama_eager(*args, **kwargs)
+    else:
+        from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
     module = torch.nn.Module()
     module.num_key_value_groups, module.head_dim = H // kv_heads, D
@@ -84,6 +93,18 @@ def _measure(dtype, softcap: float | None, kv_heads: int, dropout: float) -> tup
         out.backward(grad)
     after = max(sum(n for key, n in m.items() if key not in model_grads) for m in backward.moments)
     return inner_saved + kept_inputs, peak - inner_saved, after - start
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("kv_heads", [H, H // 2])
+def test_llamas_eager_bytes_equal_the_real_call(dtype: str, kv_heads: int) -> None:
+    """``training.attention = "eager"`` on a Llama: transformers' Llama eager attention (no
+    soft-capping) keeps, peaks and peaks in backward what the simulator's eager figures say."""
+    torch_dtype, a = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}[dtype]
+    shape = AttentionShape(batch=B, seq_len=S, heads=H, kv_heads=kv_heads, head_dim=D)
+    w = Workload(micro_batch=B, seq_len=S, act_bytes=a, attention_kernel="eager")
+    _, saved, fwd, bwd = attention_kernel_figures(shape, w, output_saved=False)
+    assert (saved, fwd, bwd) == _measure(torch_dtype, None, kv_heads, 0.0, family="llama")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

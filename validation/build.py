@@ -22,28 +22,34 @@ from sim.workload.units import unit_prefixes
 from validation.sac_policy import op_sac_context, sac_save_list  # noqa: F401 (re-exported)
 
 
-def build_llama(model: ModelConfig, seq_len: int, seed: int = 0, use_cache: bool = False) -> nn.Module:
+def build_llama(
+    model: ModelConfig, seq_len: int, seed: int = 0, use_cache: bool = False, attention: str = "sdpa"
+) -> nn.Module:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = llama_config(model, seq_len)
     config.use_cache = use_cache
+    config._attn_implementation = attention
     return LlamaForCausalLM(config)
 
 
-def build_model(model: ModelConfig, seq_len: int, seed: int = 0, use_cache: bool = False) -> nn.Module:
-    """The scenario's model: a described one from its own config.json (SDPA attention), else Llama.
+def build_model(
+    model: ModelConfig, seq_len: int, seed: int = 0, use_cache: bool = False, attention: str = "sdpa"
+) -> nn.Module:
+    """The scenario's model: a described one from its own config.json, else Llama, with
+    ``attn_implementation = attention`` (``training.attention``: "sdpa" or "eager").
     Fine-tuned with LoRA: the base in the compute dtype it was described in, PEFT's adapters on it
     (fp32, PEFT's default over a lower-precision base). ``use_cache``: the scenario's
     ``model.use_cache``, the KV cache its forward keeps."""
     if model.description is None:
-        return build_llama(model, seq_len, seed, use_cache)
+        return build_llama(model, seq_len, seed, use_cache, attention)
     import json
 
     from hfmodel.build import build_causal_lm, hf_config
 
     d = model.description
-    config = hf_config(json.loads(d.config_json), use_cache=use_cache)
+    config = hf_config(json.loads(d.config_json), use_cache=use_cache, attn=attention)
     if d.finetune is None:
         return build_causal_lm(config, seed=seed)
     from hfmodel.build import block_prefixes
@@ -54,6 +60,16 @@ def build_model(model: ModelConfig, seq_len: int, seed: int = 0, use_cache: bool
         storage = TORCH_DTYPES.get(d.finetune.quant_storage, torch.uint8)
         quantize_base(base, block_prefixes(base), storage=storage, double_quant=d.finetune.double_quant)
     return apply_lora(base, finetune_settings(model))
+
+
+def build_scenario_model(scenario: Scenario) -> nn.Module:
+    """The model a validation run trains: the scenario's, with its KV cache and attention settings."""
+    return build_model(
+        scenario.model,
+        scenario.training.seq_len,
+        use_cache=scenario.use_cache,
+        attention=scenario.training.attention.value,
+    )
 
 
 def finetune_settings(model: ModelConfig) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from calibrate.unit_timing import synced_now
 from sim.scenario.deepspeed_config import deepspeed_config
 from sim.scenario.sections import Scenario
 from sim.workload.checkpointing import checkpoint_plan
-from validation.build import Wrapped, apply_checkpointing, batch, build_model
+from validation.build import Wrapped, apply_checkpointing, batch, build_scenario_model
 
 
 class DeepSpeedTrainer:
@@ -32,7 +32,7 @@ class DeepSpeedTrainer:
         self.rank = dist.get_rank()
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
-        model = build_model(scenario.model, scenario.training.seq_len, use_cache=scenario.use_cache)
+        model = build_scenario_model(scenario)
         c = scenario.checkpointing
         plan = checkpoint_plan(c.mode, c.selective, scenario.model.n_layers)
         if plan.active:  # non-reentrant, per decoder layer, before DeepSpeed wraps the model

@@ -46,7 +46,7 @@ from sim.errors import UserError
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.workload.options import FinetuneMethod, Strategy
-from validation.build import build_model, wrap
+from validation.build import build_scenario_model, wrap
 from validation.tracker_hooks import module_tracking_holds_no_gradients
 from validation.worker import TRACKER_CATEGORIES, Trainer, _mesh
 
@@ -67,7 +67,7 @@ class FakeTrainer(Trainer):
     def __init__(self, scenario: Scenario, mesh: Any):  # noqa: D107 (same fields as Trainer)
         self.scenario = scenario
         self.rank = dist.get_rank()
-        model = build_model(scenario.model, scenario.training.seq_len, use_cache=scenario.use_cache)
+        model = build_scenario_model(scenario)
         self.wrapped = wrap(model, scenario, mesh)
         self.model = self.wrapped.model
         self.ddp_counts = {}

@@ -25,7 +25,7 @@ from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.workload.options import Strategy
 from validation.build import batch as _batch
-from validation.build import build_model, wrap
+from validation.build import build_scenario_model, wrap
 from validation.counting import CollectiveCounter, counting_allreduce_hook
 
 # FSDPMemTracker categories -> the simulator's
@@ -69,7 +69,7 @@ class Trainer:
             torch.cuda.set_device(self.device)
         no_shard = scenario.parallel.strategy is Strategy.NO_SHARD
         mesh = None if no_shard else _mesh(scenario, self.device.type)
-        model = build_model(scenario.model, scenario.training.seq_len, use_cache=scenario.use_cache)
+        model = build_scenario_model(scenario)
         if no_shard:
             model = model.to(self.device)  # fully_shard moves parameters to the mesh's device itself
         self.wrapped = wrap(model, scenario, mesh)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from sim.hardware.cluster import ClusterSpec
 from sim.workload.model import ModelConfig
 from sim.workload.options import (
+    AttentionImpl,
     BackwardPrefetch,
     CheckpointMode,
     FinetuneMethod,
@@ -53,6 +54,8 @@ class TrainingSection:
     sync_every_microbatch: bool = True
     # an encoder-decoder's (T5's) decoder length, the labels' tokens; None: seq_len
     decoder_seq_len: int | None = None
+    # transformers' attn_implementation: "sdpa" (the profile's kernel) or "eager" (HF's own, op by op)
+    attention: AttentionImpl = AttentionImpl.SDPA
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,6 +51,16 @@ class CheckpointMode(StrEnum):
     SELECTIVE = "selective"
 
 
+class AttentionImpl(StrEnum):
+    """transformers' ``attn_implementation``: "sdpa" (``scaled_dot_product_attention``, the kernel
+    the hardware profile runs: flash on a GPU) or "eager" (HF's own attention, op by op: q @ kᵀ,
+    the float causal mask added, an fp32 softmax cast back, @ v, its s² tensors kept for
+    backward; as transformers before SDPA ran Llama, and as Gemma 2 runs)."""
+
+    SDPA = "sdpa"
+    EAGER = "eager"
+
+
 class LossKernel(StrEnum):
     """How the head computes the loss: HF's eager cross-entropy (full logits, their fp32 copy and
     log-softmax), or a fused linear cross-entropy (Liger-Kernel's ``LigerFusedLinearCrossEntropy``:
