@@ -194,7 +194,7 @@ def test_without_mixed_precision_each_flat_parameter_keeps_its_dtype(tmp_path: P
     assert {o.unit for o in rs} == trained
     for o in rs:
         assert o.bytes == _flat_padded(units[o.unit].numel) * 4
-    labels = {label for op in result.program.ops for a in op.allocs for label in [a.label]}
+    labels = {a.label for op in result.program.ops for a in op.allocs}
     assert not any(label.startswith(("mp_shard:", "reduce_dtype_grad:")) for label in labels)
     state = model_state(step)
     numel = sum(_flat_padded(units[u].numel) for u in trained) // W

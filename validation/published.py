@@ -229,12 +229,14 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
     return "\n".join(lines) + "\n"
 
 
-def predict_tables(name: str, tables: dict[str, dict[str, Any]]) -> StepReport:
-    return build_report(simulate(scenario_from_dict(tables, name)))
+def predict_tables(
+    name: str, tables: dict[str, dict[str, Any]], overrides: list[str] | None = None
+) -> StepReport:
+    return build_report(simulate(scenario_from_dict(tables, name, overrides or [])))
 
 
 def predict(run: PublishedRun) -> StepReport:
-    return build_report(simulate(scenario_from_dict(run.tables, run.name, run.overrides)))
+    return predict_tables(run.name, run.tables, run.overrides)
 
 
 def _row(run: PublishedRun, r: StepReport) -> tuple[str, float | None]:
