@@ -62,6 +62,63 @@ def test_the_cache_lives_from_each_blocks_forward_to_the_first_blocks_backward(
     assert all(i < first_backward for i, _ in allocs[:2])
 
 
+@pytest.mark.parametrize(
+    "fsdp", ["parallel.fsdp_version=2", "parallel.fsdp_version=1", "parallel.strategy=NO_SHARD"]
+)
+def test_a_legacy_cache_dies_with_the_output_at_the_forwards_end(tmp_path: Path, fsdp: str) -> None:
+    """transformers < 4.36 (``model.cache_format = "legacy"``): each block returns its (k, v), no
+    region is given it again, so the recomputes append nothing and every block's K/V is freed by
+    the forward's last op, after the loss (4.31 measured: alive in lm_head's forward, dead after
+    ``model(...).loss``, each recompute's own (k, v) dropped with its outputs)."""
+    path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
+    result = simulate(load_scenario(path, ["model.use_cache=true", 'model.cache_format="legacy"', fsdp]))
+    ops = result.program.ops
+    allocs = [(i, a) for i, op in enumerate(ops) for a in op.allocs if a.label.startswith("kv_cache")]
+    assert [(ops[i].kind, ops[i].unit) for i, _ in allocs] == [
+        (OpKind.FORWARD, "model.layers.0"),
+        (OpKind.FORWARD, "model.layers.1"),
+    ]
+    assert sum(a.bytes for _, a in allocs) == 2 * 65536
+    last_forward = max(k for k, op in enumerate(ops) if op.kind is OpKind.FORWARD)
+    assert all(a.label in ops[last_forward].frees for _, a in allocs)
+    assert "loss" in ops[last_forward].name
+
+
+def test_a_legacy_cache_raises_the_forward_peak_by_its_bytes(tmp_path: Path) -> None:
+    """With checkpointing the cache adds its bytes wherever the forward holds it: the peak of
+    the last forward op (the loss, every block's K/V still alive) rises by exactly the cache."""
+    path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
+    curves = {}
+    for values in (["model.use_cache=false"], ["model.use_cache=true", 'model.cache_format="legacy"']):
+        result = simulate(load_scenario(path, values))
+        ops = result.program.ops
+        last_forward = max(k for k, op in enumerate(ops) if op.kind is OpKind.FORWARD)
+        (temp,) = (a.label for a in ops[last_forward].allocs if a.label.startswith("forward_temp"))
+        live, at_loss = 0, None
+        for m in result.events.memory_of(0):
+            live += m.delta_bytes
+            if m.label == temp and m.delta_bytes > 0:
+                at_loss = live
+        curves[values[0]] = at_loss
+    on, off = curves["model.use_cache=true"], curves["model.use_cache=false"]
+    assert on is not None and off is not None and on - off == 2 * 65536
+
+
+def test_the_cache_format_is_checked(tmp_path: Path) -> None:
+    """legacy without a cache is refused; a DynamicCache with HF's eager attention under
+    checkpointing is refused (the real run fails: each recompute appends its K/V, and the
+    eager mask built in forward no longer broadcasts, measured with transformers 5.24); legacy
+    runs it."""
+    path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
+    with pytest.raises(UserError, match="set model.use_cache = true"):
+        load_scenario(path, ['model.cache_format="legacy"'])
+    eager = ["model.use_cache=true", 'training.attention="eager"']
+    with pytest.raises(UserError, match="fails for real"):
+        load_scenario(path, eager)
+    load_scenario(path, [*eager, 'model.cache_format="legacy"'])
+    load_scenario(path, [*eager, 'checkpointing.mode="none"'])
+
+
 def test_without_checkpointing_the_cache_adds_nothing(tmp_path: Path) -> None:
     """Unchecked blocks save K and V for backward anyway; the cache shares their storages."""
     path = _scenario(tmp_path, 'preset = "tiny"')
@@ -95,3 +152,30 @@ def test_memory_matches_the_real_model_with_its_cache(tmp_path: Path, fsdp: str)
     cache = 2 * 65536
     assert peaks["true"].predicted - peaks["false"].predicted == cache
     assert peaks["true"].measured - peaks["false"].measured == cache
+
+
+def test_the_legacy_probe_names_its_rows_in_one_line() -> None:
+    """``validation.legacy_transformers`` (the PR's own transformers 4.31 code, run where its
+    packages are given): a row outside the published memory table is one line and exit 2, before
+    any old package is imported."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    for args in (["--memory-row", "9"], ["s.toml", "--memory-row", "0"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "validation.legacy_transformers", *args, "--site", "/nonexistent"],
+            capture_output=True,
+            text=True,
+            cwd=root,
+        )
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert (
+        "allowed 0..1"
+        in subprocess.run(
+            [sys.executable, "-m", "validation.legacy_transformers", "--memory-row", "9", "--site", "/x"],
+            capture_output=True,
+            text=True,
+            cwd=root,
+        ).stderr
+    )

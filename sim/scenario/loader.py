@@ -23,8 +23,18 @@ from sim.scenario.expert_check import check_expert_parallel
 from sim.scenario.hf_model import describe_config, library, library_entry, llama_config_file
 from sim.scenario.sections import ENGINES, SECTIONS, ClusterSection, FinetuneSection, ModelSection, Scenario
 from sim.workload.model import PRESETS, ModelConfig, preset
-from sim.workload.options import FinetuneMethod, Strategy, WrapPolicy
+from sim.workload.options import (
+    AttentionImpl,
+    CheckpointMode,
+    FinetuneMethod,
+    KvCacheFormat,
+    Strategy,
+    WrapPolicy,
+)
 from sim.workload.units import build_units
+
+# model keys that are not a model's dimensions
+NOT_DIMENSIONS = ("preset", "config", "use_cache", "cache_format")
 
 
 def _type_name(tp: Any) -> str:
@@ -105,7 +115,7 @@ def _described_model(section: ModelSection, built: dict[str, Any], where: str) -
     extra = [
         f"model.{f.name}"
         for f in fields(section)
-        if f.name not in ("preset", "config", "use_cache") and getattr(section, f.name) is not None
+        if f.name not in NOT_DIMENSIONS and getattr(section, f.name) is not None
     ]
     if section.config is None and (section.preset is None or section.preset in PRESETS):
         extra = []  # a hand-written model's dimensions, already applied
@@ -139,11 +149,7 @@ def _resolve_model(section: ModelSection, built: dict[str, Any], where: str) -> 
     described = _described_model(section, built, where)
     if described is not None:
         return described
-    dims = {
-        f.name: getattr(section, f.name)
-        for f in fields(section)
-        if f.name not in ("preset", "config", "use_cache")
-    }
+    dims = {f.name: getattr(section, f.name) for f in fields(section) if f.name not in NOT_DIMENSIONS}
     given = {k: v for k, v in dims.items() if v is not None}
     if section.preset is not None:
         if section.preset not in PRESETS:
@@ -541,6 +547,7 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
         source=where,
         model=model,
         use_cache=model_section.use_cache,
+        cache_format=model_section.cache_format,
         gpus_per_node=_gpus_per_node(built["cluster"], spec, where),
         cluster_spec=spec,
         **built,
@@ -550,9 +557,28 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
 
 
 def _check_use_cache(s: Scenario, where: str) -> None:
-    """model.use_cache is modelled for decoder-only models (a self-attention K/V per block)."""
+    """model.use_cache is modelled for decoder-only models (a self-attention K/V per block); a
+    "dynamic" cache with HF's eager attention under checkpointing is refused: the real run fails."""
     if not s.use_cache:
+        if s.cache_format is KvCacheFormat.LEGACY:
+            raise UserError(
+                f'{where}: model.cache_format = "legacy" describes a KV cache: set model.use_cache = true'
+            )
         return
+    if (
+        s.cache_format is KvCacheFormat.DYNAMIC
+        and s.training.attention is AttentionImpl.EAGER
+        and s.checkpointing.mode is not CheckpointMode.NONE
+    ):
+        # each recompute appends its K/V to the DynamicCache again: the keys grow to twice the
+        # sequence while the causal mask built in forward stays s x s (transformers 5.24 raises
+        # "Attempting to broadcast a dimension ..." in the first recompute, measured here)
+        raise UserError(
+            f'{where}: model.use_cache with training.attention = "eager" under checkpointing fails for real '
+            "(transformers >= 4.36: each recompute appends its K/V to the DynamicCache, and the eager "
+            'attention\'s s x s mask no longer fits); set model.cache_format = "legacy" (transformers < 4.36) '
+            "or model.use_cache = false"
+        )
     d = s.model.description
     if d is not None and d.decoder_seq_len is not None:
         raise UserError(

@@ -17,6 +17,7 @@ from sim.workload.options import (
     FinetuneMethod,
     Fsdp1Options,
     Fsdp2Offload,
+    KvCacheFormat,
     LossKernel,
     OffloadDevice,
     OptimizerName,
@@ -40,6 +41,8 @@ class ModelSection:
     # true: HF's KV cache on in the training forward (llama-recipes 2023: config's use_cache with
     # apply_activation_checkpointing); every block's K/V lives to the forward's end
     use_cache: bool = False
+    # the cache's kind, by transformers version: KvCacheFormat (dynamic >= 4.36, legacy tuples before)
+    cache_format: KvCacheFormat = KvCacheFormat.DYNAMIC
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +288,7 @@ class Scenario:
     warnings: tuple[str, ...] = ()  # what the scenario asks that its model was not built for
     finetune: FinetuneSection = FinetuneSection()
     use_cache: bool = False  # model.use_cache
+    cache_format: KvCacheFormat = KvCacheFormat.DYNAMIC  # model.cache_format
 
     @property
     def param_dtype(self) -> str:

@@ -303,9 +303,11 @@ class ScheduleBuilder:
         cache object among its keyword arguments, until the region's backward: the cache (every
         block's K/V) lives to the end of the first checkpointed block's backward (transformers
         5.24, measured in fake mode). None: no cache, or no checkpointed block holds it (the
-        cache dies with the model's output at the forward's end)."""
-        if not self.cfg.kv_cache_bytes or not self.cfg.checkpoint.blocks:
-            return None
+        cache dies with the model's output at the forward's end, after the loss), as transformers
+        before 4.36 kept it: each block returns its (k, v), which no block is given again."""
+        cfg = self.cfg
+        if not cfg.kv_cache_bytes or not cfg.checkpoint.blocks or not cfg.kv_cache_in_block_inputs:
+            return None  # legacy tuples (transformers 4.31, measured in fake mode): freed with the output
         return min(self.cfg.checkpoint.blocks)
 
     def _next_region_checkpointed(self, i: int) -> bool:

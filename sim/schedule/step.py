@@ -52,6 +52,10 @@ class StepConfig:
     # model.use_cache: what HF's KV cache holds of each block from its forward to the forward's
     # end (``sim.workload.checkpointing.kv_cache_bytes``); empty: no cache
     kv_cache_bytes: tuple[int, ...] = ()
+    # the cache is one object passed into every block (transformers >= 4.36's DynamicCache): each
+    # checkpoint region holds it into backward and each recompute appends to it; false: each block
+    # returns its (k, v) (transformers < 4.36), held by nothing but the model's output
+    kv_cache_in_block_inputs: bool = True
     buffer_bytes: int  # unsharded module buffers (RoPE inverse frequencies)
     collective_temp_buffers: bool
     ddp_bucket_bytes: int

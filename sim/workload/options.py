@@ -61,6 +61,16 @@ class AttentionImpl(StrEnum):
     EAGER = "eager"
 
 
+class KvCacheFormat(StrEnum):
+    """How HF's KV cache (``model.use_cache``) is kept in a training forward: "dynamic"
+    (transformers >= 4.36's ``DynamicCache``, one object passed into every decoder layer, which
+    appends its K/V) or "legacy" (transformers < 4.36: each layer returns its ``(k, v)`` tuple,
+    which the model collects into its output; llama-cookbook's 2023 recipes ran 4.31)."""
+
+    DYNAMIC = "dynamic"
+    LEGACY = "legacy"
+
+
 class LossKernel(StrEnum):
     """How the head computes the loss: HF's eager cross-entropy (full logits, their fp32 copy and
     log-softmax), or a fused linear cross-entropy (Liger-Kernel's ``LigerFusedLinearCrossEntropy``:
