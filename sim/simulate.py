@@ -32,9 +32,9 @@ from sim.workload.checkpointing import block_input_bytes, checkpoint_plan, kv_ca
 from sim.workload.expert_parallel import expert_parallel_view, split_at_experts
 from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
-from sim.workload.layers import LayerOp, Workload, model_buffer_bytes
+from sim.workload.layers import LayerOp, Workload, model_buffer_bytes, output_logits_bytes
 from sim.workload.model import ModelConfig
-from sim.workload.options import AttentionImpl, KvCacheFormat, Strategy, WrapPolicy
+from sim.workload.options import AttentionImpl, OutputFormat, Strategy, WrapPolicy
 from sim.workload.units import build_segments, build_units
 
 MASTER_DTYPE = "fp32"  # FSDP2 keeps sharded parameters, gradients and optimizer states in fp32
@@ -207,7 +207,12 @@ def build_step(
         reduce_bytes=dtype_bytes(scenario.reduce_dtype),
         block_input_bytes=block_input_bytes(model, workload),
         kv_cache_bytes=kv_cache_bytes(model, workload) if scenario.use_cache else (),
-        kv_cache_in_block_inputs=scenario.cache_format is KvCacheFormat.DYNAMIC,
+        kv_cache_in_block_inputs=scenario.output_format is OutputFormat.CURRENT,
+        kept_output_bytes=output_logits_bytes(
+            model, workload, fp32=scenario.output_format is OutputFormat.LEGACY
+        )
+        if training.keep_outputs
+        else 0,
         buffer_bytes=model_buffer_bytes(model)
         * dtype_bytes(_buffer_dtype(scenario))
         // dtype_bytes(MASTER_DTYPE),

@@ -66,12 +66,12 @@ def test_the_cache_lives_from_each_blocks_forward_to_the_first_blocks_backward(
     "fsdp", ["parallel.fsdp_version=2", "parallel.fsdp_version=1", "parallel.strategy=NO_SHARD"]
 )
 def test_a_legacy_cache_dies_with_the_output_at_the_forwards_end(tmp_path: Path, fsdp: str) -> None:
-    """transformers < 4.36 (``model.cache_format = "legacy"``): each block returns its (k, v), no
+    """transformers < 4.36 (``model.output_format = "legacy"``): each block returns its (k, v), no
     region is given it again, so the recomputes append nothing and every block's K/V is freed by
     the forward's last op, after the loss (4.31 measured: alive in lm_head's forward, dead after
     ``model(...).loss``, each recompute's own (k, v) dropped with its outputs)."""
     path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
-    result = simulate(load_scenario(path, ["model.use_cache=true", 'model.cache_format="legacy"', fsdp]))
+    result = simulate(load_scenario(path, ["model.use_cache=true", 'model.output_format="legacy"', fsdp]))
     ops = result.program.ops
     allocs = [(i, a) for i, op in enumerate(ops) for a in op.allocs if a.label.startswith("kv_cache")]
     assert [(ops[i].kind, ops[i].unit) for i, _ in allocs] == [
@@ -89,7 +89,7 @@ def test_a_legacy_cache_raises_the_forward_peak_by_its_bytes(tmp_path: Path) -> 
     the last forward op (the loss, every block's K/V still alive) rises by exactly the cache."""
     path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
     curves = {}
-    for values in (["model.use_cache=false"], ["model.use_cache=true", 'model.cache_format="legacy"']):
+    for values in (["model.use_cache=false"], ["model.use_cache=true", 'model.output_format="legacy"']):
         result = simulate(load_scenario(path, values))
         ops = result.program.ops
         last_forward = max(k for k, op in enumerate(ops) if op.kind is OpKind.FORWARD)
@@ -104,19 +104,23 @@ def test_a_legacy_cache_raises_the_forward_peak_by_its_bytes(tmp_path: Path) -> 
     assert on is not None and off is not None and on - off == 2 * 65536
 
 
-def test_the_cache_format_is_checked(tmp_path: Path) -> None:
-    """legacy without a cache is refused; a DynamicCache with HF's eager attention under
-    checkpointing is refused (the real run fails: each recompute appends its K/V, and the
-    eager mask built in forward no longer broadcasts, measured with transformers 5.24); legacy
-    runs it."""
+def test_the_output_format_is_checked(tmp_path: Path) -> None:
+    """A DynamicCache with HF's eager attention under checkpointing is refused (the real run
+    fails: each recompute appends its K/V, and the eager mask built in forward no longer
+    broadcasts, measured with transformers 5.24), and so is a kept output holding one under
+    checkpointing (not modelled); the legacy format runs both."""
     path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
-    with pytest.raises(UserError, match="set model.use_cache = true"):
-        load_scenario(path, ['model.cache_format="legacy"'])
     eager = ["model.use_cache=true", 'training.attention="eager"']
     with pytest.raises(UserError, match="fails for real"):
         load_scenario(path, eager)
-    load_scenario(path, [*eager, 'model.cache_format="legacy"'])
+    load_scenario(path, [*eager, 'model.output_format="legacy"'])
     load_scenario(path, [*eager, 'checkpointing.mode="none"'])
+    kept = ["model.use_cache=true", "training.keep_outputs=true"]
+    with pytest.raises(UserError, match="training.keep_outputs with model.use_cache under checkpointing"):
+        load_scenario(path, kept)
+    load_scenario(path, [*kept, 'model.output_format="legacy"'])
+    load_scenario(path, [*kept, 'checkpointing.mode="none"'])
+    load_scenario(path, ['model.output_format="legacy"'])  # fp32 logits, no cache
 
 
 def test_without_checkpointing_the_cache_adds_nothing(tmp_path: Path) -> None:
@@ -170,8 +174,10 @@ def test_the_legacy_probe_names_its_rows_in_one_line() -> None:
             cwd=root,
         )
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    from validation.published import MEMORY_RUNS
+
     assert (
-        "allowed 0..1"
+        f"allowed 0..{len(MEMORY_RUNS) - 1}, got 9"
         in subprocess.run(
             [sys.executable, "-m", "validation.legacy_transformers", "--memory-row", "9", "--site", "/x"],
             capture_output=True,

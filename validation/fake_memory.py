@@ -373,7 +373,7 @@ def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dic
     # statistics are reset between micro-batches (the peak is kept)
     trainer.after_microbatch = tracker.reset_mod_stats  # type: ignore[method-assign]
     with module_tracking_holds_no_gradients(), tracker:
-        trainer.step(1)
+        _tracked_steps(trainer)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     raw = {_name(name): int(value) for name, value in snapshot.items()}
     quant = quant_state_bytes(trainer.model)  # QLoRA's, allocated before the step: not tracked
@@ -387,7 +387,15 @@ def _fsdp1_step(trainer: FakeTrainer) -> dict[str, Any]:
     """FSDP1 under the fake group: the storage-level tracker the real FSDP1 runs use."""
     from validation.step_memory import measure_fsdp1_step
 
-    return measure_fsdp1_step(trainer.model, trainer.optimizer, lambda: trainer.step(1))
+    return measure_fsdp1_step(trainer.model, trainer.optimizer, lambda: _tracked_steps(trainer))
+
+
+def _tracked_steps(trainer: FakeTrainer) -> None:
+    """The tracked step; with ``training.keep_outputs`` two, so that the second runs while the
+    first's output is held (the steady state; the trackers count only what a tracked op made)."""
+    trainer.step(1)
+    if trainer.scenario.training.keep_outputs:
+        trainer.step(2)
 
 
 def measure_fake_memory_subprocess(

@@ -29,6 +29,7 @@ from typing import Any
 from sim.errors import UserError
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
+from sim.workload.options import AttentionImpl, OutputFormat
 
 
 def build_legacy_llama(scenario: Scenario) -> Any:
@@ -99,6 +100,20 @@ def measure(scenario: Scenario) -> dict[str, Any]:
 
 
 def _scenario(path: str | None, row: int | None, overrides: list[str]) -> Scenario:
+    scenario = _load(path, row, overrides)
+    # the old Llama has one attention (eager) and one cache (tuples): the scenario must say so
+    if scenario.training.attention is not AttentionImpl.EAGER:
+        raise UserError(
+            f'{scenario.source}: the old Llama runs eager attention: set training.attention = "eager"'
+        )
+    if scenario.use_cache and scenario.output_format is not OutputFormat.LEGACY:
+        raise UserError(
+            f'{scenario.source}: the old Llama\'s cache is per-layer tuples: set model.output_format = "legacy"'
+        )
+    return scenario
+
+
+def _load(path: str | None, row: int | None, overrides: list[str]) -> Scenario:
     if (path is None) == (row is None):
         raise UserError("validation.legacy_transformers: give a SCENARIO or --memory-row N, not both")
     if path is not None:

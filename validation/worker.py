@@ -90,7 +90,11 @@ class Trainer:
             ids, labels = (t.to(self.device) for t in _batch(self.scenario, self.rank, index * 100 + mb))
             t0 = synced_now(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                loss = self.model(input_ids=ids, labels=labels).loss
+                if self.scenario.training.keep_outputs:  # `outputs = model(**batch)`: held to the next
+                    self.outputs = self.model(input_ids=ids, labels=labels)
+                    loss = self.outputs.loss
+                else:
+                    loss = self.model(input_ids=ids, labels=labels).loss
             t1 = synced_now(self.device)
             with self._gradient_sync(mb == self.scenario.training.grad_accum - 1):
                 loss.backward()

@@ -27,14 +27,14 @@ from sim.workload.options import (
     AttentionImpl,
     CheckpointMode,
     FinetuneMethod,
-    KvCacheFormat,
+    OutputFormat,
     Strategy,
     WrapPolicy,
 )
 from sim.workload.units import build_units
 
 # model keys that are not a model's dimensions
-NOT_DIMENSIONS = ("preset", "config", "use_cache", "cache_format")
+NOT_DIMENSIONS = ("preset", "config", "use_cache", "output_format")
 
 
 def _type_name(tp: Any) -> str:
@@ -547,7 +547,7 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
         source=where,
         model=model,
         use_cache=model_section.use_cache,
-        cache_format=model_section.cache_format,
+        output_format=model_section.output_format,
         gpus_per_node=_gpus_per_node(built["cluster"], spec, where),
         cluster_spec=spec,
         **built,
@@ -558,25 +558,28 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
 
 def _check_use_cache(s: Scenario, where: str) -> None:
     """model.use_cache is modelled for decoder-only models (a self-attention K/V per block); a
-    "dynamic" cache with HF's eager attention under checkpointing is refused: the real run fails."""
+    ``DynamicCache`` (model.output_format "current") with HF's eager attention under checkpointing
+    is refused: the real run fails. So is a kept output holding a DynamicCache under
+    checkpointing: each recompute attends over the cache's grown keys, which is not modelled."""
     if not s.use_cache:
-        if s.cache_format is KvCacheFormat.LEGACY:
-            raise UserError(
-                f'{where}: model.cache_format = "legacy" describes a KV cache: set model.use_cache = true'
-            )
         return
-    if (
-        s.cache_format is KvCacheFormat.DYNAMIC
-        and s.training.attention is AttentionImpl.EAGER
-        and s.checkpointing.mode is not CheckpointMode.NONE
-    ):
+    dynamic_under_checkpointing = (
+        s.output_format is OutputFormat.CURRENT and s.checkpointing.mode is not CheckpointMode.NONE
+    )
+    if dynamic_under_checkpointing and s.training.keep_outputs:
+        raise UserError(
+            f"{where}: training.keep_outputs with model.use_cache under checkpointing is not modelled for "
+            "transformers >= 4.36 (the kept DynamicCache grows at each recompute, which then attends over "
+            'its doubled keys); set model.output_format = "legacy" (transformers < 4.36) or model.use_cache = false'
+        )
+    if dynamic_under_checkpointing and s.training.attention is AttentionImpl.EAGER:
         # each recompute appends its K/V to the DynamicCache again: the keys grow to twice the
         # sequence while the causal mask built in forward stays s x s (transformers 5.24 raises
         # "Attempting to broadcast a dimension ..." in the first recompute, measured here)
         raise UserError(
             f'{where}: model.use_cache with training.attention = "eager" under checkpointing fails for real '
             "(transformers >= 4.36: each recompute appends its K/V to the DynamicCache, and the eager "
-            'attention\'s s x s mask no longer fits); set model.cache_format = "legacy" (transformers < 4.36) '
+            'attention\'s s x s mask no longer fits); set model.output_format = "legacy" (transformers < 4.36) '
             "or model.use_cache = false"
         )
     d = s.model.description

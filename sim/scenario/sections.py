@@ -17,10 +17,10 @@ from sim.workload.options import (
     FinetuneMethod,
     Fsdp1Options,
     Fsdp2Offload,
-    KvCacheFormat,
     LossKernel,
     OffloadDevice,
     OptimizerName,
+    OutputFormat,
     Strategy,
     WrapPolicy,
     ZeroOptions,
@@ -41,8 +41,9 @@ class ModelSection:
     # true: HF's KV cache on in the training forward (llama-recipes 2023: config's use_cache with
     # apply_activation_checkpointing); every block's K/V lives to the forward's end
     use_cache: bool = False
-    # the cache's kind, by transformers version: KvCacheFormat (dynamic >= 4.36, legacy tuples before)
-    cache_format: KvCacheFormat = KvCacheFormat.DYNAMIC
+    # what the model returns and keeps, by transformers version (OutputFormat): "current" (>= 4.36,
+    # a DynamicCache, logits in the activation dtype) or "legacy" (< 4.36: (k, v) tuples, fp32 logits)
+    output_format: OutputFormat = OutputFormat.CURRENT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,10 @@ class TrainingSection:
     decoder_seq_len: int | None = None
     # transformers' attn_implementation: "sdpa" (the profile's kernel) or "eager" (HF's own, op by op)
     attention: AttentionImpl = AttentionImpl.SDPA
+    # true: the loop keeps the model's output (`outputs = model(**batch)`, as HF's no_trainer
+    # examples and llama-recipes' 2023 loop do): its logits (and a KV cache) live until the next
+    # forward returns, through backward and the optimizer step
+    keep_outputs: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,7 +293,7 @@ class Scenario:
     warnings: tuple[str, ...] = ()  # what the scenario asks that its model was not built for
     finetune: FinetuneSection = FinetuneSection()
     use_cache: bool = False  # model.use_cache
-    cache_format: KvCacheFormat = KvCacheFormat.DYNAMIC  # model.cache_format
+    output_format: OutputFormat = OutputFormat.CURRENT  # model.output_format
 
     @property
     def param_dtype(self) -> str:

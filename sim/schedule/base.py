@@ -56,13 +56,30 @@ class UnitLayout:
 class ScheduleBuilder:
     def __init__(self, cfg: StepConfig):
         self.cfg = cfg
-        self.program = Program(initial=resident_allocs(cfg))
+        self.program = Program(initial=resident_allocs(cfg) + self._previous_output())
+        # training.keep_outputs: the labels of the output the loop holds, and the micro-batch
+        # whose cache it holds (freed when the next forward returns)
+        self.held_output: list[str] = ["previous_output"] if cfg.kept_output_bytes else []
+        self.held_cache: Activations | None = None
         self.compute_waits: list[int] = []  # ops the next compute-stream op waits for
         self.grad_labels: list[str] = []  # gradients the optimizer step consumes
         self.host_cursor: int | None = None  # the host's last op: nothing it issues starts before
         self.last_collective: dict[GroupKind, int] = {}  # one communicator per group: issue order
         self.compute_tail = -1  # the compute stream's last op
         self._counter = 0
+
+    def _previous_output(self) -> list[Alloc]:
+        """training.keep_outputs: the output the previous micro-batch left the loop holding, as
+        this one will leave it (steady state): its logits, and a KV cache's every block's K/V
+        (twice a checkpointed block's where a ``DynamicCache`` took each recompute's again)."""
+        cfg = self.cfg
+        if not cfg.kept_output_bytes:
+            return []
+        cache = sum(cfg.kv_cache_bytes)
+        if cfg.kv_cache_in_block_inputs:
+            cache += sum(b for block, b in enumerate(cfg.kv_cache_bytes) if cfg.checkpoint.covers(block))
+        nbytes = cfg.kept_output_bytes + cache
+        return [Alloc(label="previous_output", category=MemoryCategory.ACTIVATIONS, bytes=nbytes)]
 
     def label(self, what: str, unit: str, mb: int) -> str:
         """A buffer label unique within the program."""
@@ -277,7 +294,18 @@ class ScheduleBuilder:
             cache = self.label("kv_cache", seg.unit, mb)
             acts.kv_cache.append(cache)
             allocs.append(Alloc(label=cache, category=MemoryCategory.ACTIVATIONS, bytes=cached))
-        if i == len(cfg.segments) - 1 and self._cache_holder() is None:  # the output (and cache) dropped
+        end_allocs: tuple[Alloc, ...] = ()
+        if i == len(cfg.segments) - 1 and cfg.kept_output_bytes:  # the new output replaces the held one
+            frees += self.held_output
+            if self.held_cache is not None:
+                frees += self.held_cache.kv_cache
+                self.held_cache.kv_cache = []
+            logits = self.label("model_output", seg.unit, mb)
+            end_allocs = (
+                Alloc(label=logits, category=MemoryCategory.ACTIVATIONS, bytes=cfg.kept_output_bytes),
+            )
+            self.held_output, self.held_cache = [logits], acts
+        elif i == len(cfg.segments) - 1 and self._cache_holder() is None:  # the output (and cache) dropped
             frees += acts.kv_cache
             acts.kv_cache = []
         transient = self.label("forward_temp", seg.unit, mb)
@@ -294,6 +322,7 @@ class ScheduleBuilder:
             fig.forward_s,
             allocs=tuple(allocs),
             frees=tuple(frees),
+            end_allocs=end_allocs,
             host_s=fig.forward_host_s,
         )
 
@@ -306,9 +335,15 @@ class ScheduleBuilder:
         cache dies with the model's output at the forward's end, after the loss), as transformers
         before 4.36 kept it: each block returns its (k, v), which no block is given again."""
         cfg = self.cfg
-        if not cfg.kv_cache_bytes or not cfg.checkpoint.blocks or not cfg.kv_cache_in_block_inputs:
+        if not self._cache_appends() or cfg.kept_output_bytes:  # kept: the output holds it longer
             return None  # legacy tuples (transformers 4.31, measured in fake mode): freed with the output
         return min(self.cfg.checkpoint.blocks)
+
+    def _cache_appends(self) -> bool:
+        """Whether each recompute appends its block's K/V to the cache again: a ``DynamicCache``
+        (every block is given it) under checkpointing."""
+        cfg = self.cfg
+        return bool(cfg.kv_cache_bytes and cfg.checkpoint.blocks and cfg.kv_cache_in_block_inputs)
 
     def _next_region_checkpointed(self, i: int) -> bool:
         """Whether the ops right after segment ``i``'s block are a checkpoint region too (the
@@ -325,7 +360,7 @@ class ScheduleBuilder:
         backward has run), and is dropped as the recompute starts."""
         selective = self.cfg.checkpoint.selective_op
         start_frees = tuple(acts.kept_after_block.pop(block, ()))
-        cache = self.cfg.kv_cache_bytes[block] if self._cache_holder() is not None else 0
+        cache = self.cfg.kv_cache_bytes[block] if self._cache_appends() else 0
         for i, seg in enumerate(self.cfg.segments):
             if seg.block != block:
                 continue
@@ -388,6 +423,20 @@ class ScheduleBuilder:
             if seg.block == self._cache_holder():  # its region lets the cache go
                 frees += acts.kv_cache
                 acts.kv_cache = []
+        cfg = self.cfg
+        if (
+            cfg.kept_output_bytes
+            and cfg.kv_cache_bytes
+            and seg.block is not None
+            and not self.checkpointed(i)
+            and self.first_of_block(i)
+        ):  # a kept output's cache holds the K/V an unchecked block saved, past its backward
+            cache = self.label("kv_cache", seg.unit, mb)
+            acts.kv_cache.append(cache)
+            end_allocs = (
+                *end_allocs,
+                Alloc(label=cache, category=MemoryCategory.ACTIVATIONS, bytes=cfg.kv_cache_bytes[seg.block]),
+            )
         return self.compute(
             OpKind.BACKWARD,
             seg.name,

@@ -56,6 +56,10 @@ class StepConfig:
     # checkpoint region holds it into backward and each recompute appends to it; false: each block
     # returns its (k, v) (transformers < 4.36), held by nothing but the model's output
     kv_cache_in_block_inputs: bool = True
+    # training.keep_outputs: the model's output a micro-batch leaves the loop holding (its logits,
+    # ``sim.workload.layers.output_logits_bytes``) until the next forward returns; 0: dropped
+    # with ``.loss`` at the forward's end. A KV cache is then the output's, freed with it.
+    kept_output_bytes: int = 0
     buffer_bytes: int  # unsharded module buffers (RoPE inverse frequencies)
     collective_temp_buffers: bool
     ddp_bucket_bytes: int

@@ -182,6 +182,17 @@ class Workload:
         return self.micro_batch * self.seq_len
 
 
+def output_logits_bytes(cfg: ModelConfig, w: Workload, *, fp32: bool = False) -> int:
+    """The logits a causal LM returns for one micro-batch (HF's ``outputs.logits``): lm_head's
+    output in the activation dtype (the loss's fp32 copy is its own), or, with ``fp32``, the
+    upcast copy transformers < 4.36 returned (``logits = logits.float()``); none from a fused
+    loss (Liger returns no logits when it computes the loss)."""
+    if w.loss is LossKernel.FUSED:
+        return 0
+    tokens = w.micro_batch * (w.decoder_seq_len or w.seq_len)
+    return tokens * cfg.vocab * (FP32_BYTES if fp32 else w.act_bytes)
+
+
 def _cast_bytes(a: int) -> int:
     """A cast to fp32 and back: nothing where the activations already are fp32."""
     return 0 if a == FP32_BYTES else 2 * (a + FP32_BYTES)

@@ -61,13 +61,14 @@ class AttentionImpl(StrEnum):
     EAGER = "eager"
 
 
-class KvCacheFormat(StrEnum):
-    """How HF's KV cache (``model.use_cache``) is kept in a training forward: "dynamic"
-    (transformers >= 4.36's ``DynamicCache``, one object passed into every decoder layer, which
-    appends its K/V) or "legacy" (transformers < 4.36: each layer returns its ``(k, v)`` tuple,
-    which the model collects into its output; llama-cookbook's 2023 recipes ran 4.31)."""
+class OutputFormat(StrEnum):
+    """What a transformers causal LM hands back and keeps, by version: "current" (transformers
+    >= 4.36: one ``DynamicCache`` object passed into every decoder layer, which appends its K/V;
+    logits in the activation dtype) or "legacy" (transformers < 4.36, as llama-cookbook's 2023
+    recipes ran 4.31: each layer returns its ``(k, v)`` tuple, collected into the output; the
+    logits upcast to fp32 in the output, ``logits = logits.float()``)."""
 
-    DYNAMIC = "dynamic"
+    CURRENT = "current"
     LEGACY = "legacy"
 
 
