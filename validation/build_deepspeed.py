@@ -57,7 +57,11 @@ class DeepSpeedTrainer:
         for mb in range(self.scenario.training.grad_accum):
             ids, labels = (t.to(self.device) for t in batch(self.scenario, self.rank, index * 100 + mb))
             t0 = synced_now(self.device)
-            loss = engine(input_ids=ids, labels=labels).loss
+            if self.scenario.training.keep_outputs:  # `outputs = model(**batch)`: held to the next
+                self.outputs = engine(input_ids=ids, labels=labels)
+                loss = self.outputs.loss
+            else:
+                loss = engine(input_ids=ids, labels=labels).loss
             t1 = synced_now(self.device)
             engine.backward(loss)
             t2 = synced_now(self.device)
