@@ -96,6 +96,12 @@ _HF = "model.config=../tests/data/hf/"
 # (``calibrate.hf_units``); the MoE in bf16, as transformers' grouped-mm experts run on a CPU
 HF_MATRIX: list[tuple[str, list[str]]] = [
     ("hf tiny-qwen2 (dense) FULL_SHARD block fp32", [f"{_HF}tiny-qwen2.json"]),
+    # at the FSDP2 rows' scale (validation/hf/README.md): one dense and one MoE model
+    ("hf qwen2-5m (dense) FULL_SHARD block fp32", ["model.config=hf/qwen2-5m.json"]),
+    (
+        "hf mixtral-5m (MoE, 4 experts, top-2) FULL_SHARD block bf16",
+        ["model.config=hf/mixtral-5m.json", "precision.param_dtype=bf16"],
+    ),
     (
         "hf tiny-mixtral (MoE, 4 experts, top-2) FULL_SHARD block bf16",
         [f"{_HF}tiny-mixtral.json", "precision.param_dtype=bf16"],
