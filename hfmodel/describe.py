@@ -20,7 +20,7 @@ from torch import nn
 from hfmodel.build import block_prefixes, block_stacks, build_causal_lm, hf_config, is_encoder_decoder
 from hfmodel.finetune import FULL, apply_lora, frozen_params, quantized_params
 from hfmodel.probe import PROBE, ProbeRecorder
-from hfmodel.trace import HostCalls, OpRecord, Owners, SavedBytes, Tracer, finish
+from hfmodel.trace import HostCalls, OpRecord, Owners, SavedBytes, Tracer, backward_live_bytes, finish
 from sim.dtypes import canonical_dtype
 from sim.errors import UserError
 from sim.workload.description import DESCRIPTION_VERSION
@@ -210,9 +210,12 @@ def _trace(
         # it): then the model's ops count it, else the kernel's own saved output must be added
         counted = [uid is not None and uid in tracer.saved for uid in probe.outputs]
         extra = [_view_storage_extra(inputs, tracer.saved) for inputs in probe.inputs]
+        # what the model's backward holds as each kernel's backward starts (its output's gradient
+        # among it): a kernel that frees some of it before its own peak (eager) needs the figure
+        starts = [0 if s is None else backward_live_bytes(tracer, grads, s) for s in probe.backward_steps]
     calls = [
-        {**call.__dict__, "output_counted": c, "extra_saved_bytes": x}
-        for call, c, x in zip(probe.calls, counted, extra, strict=True)
+        {**call.__dict__, "output_counted": c, "extra_saved_bytes": x, "backward_start_bytes": b}
+        for call, c, x, b in zip(probe.calls, counted, extra, starts, strict=True)
     ]
     return tracer.ops, calls, rename
 

@@ -14,6 +14,7 @@ hands it to the empty kernel and returns a gradient of its shape, so that the bi
 accumulates over a stack's blocks in backward, as it does in training.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,21 +46,28 @@ class _Empty(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        backward_started: Callable[[], None],
     ) -> torch.Tensor:
         # shapes only: holding q, k, v would keep them alive to the end of the trace, where they
         # would count as every later op's transient (the kernel's own saved q, k, v are added
         # by the simulator)
         ctx.shapes = tuple((t.shape, t.dtype) for t in (q, k, v))
         ctx.bias = None if bias is None else (bias.shape, bias.dtype)
+        ctx.backward_started = backward_started
         b, h, s, _ = q.shape
         return q.new_empty(b, s, h, v.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.backward_started()  # before the kernel's gradients exist: what the model holds
         grads = tuple(grad.new_empty(shape, dtype=dtype) for shape, dtype in ctx.shapes)
         bias = None if ctx.bias is None else grad.new_empty(ctx.bias[0], dtype=ctx.bias[1])
-        return (*grads, bias)
+        return (*grads, bias, None)
 
 
 class ProbeRecorder:
@@ -73,6 +81,8 @@ class ProbeRecorder:
         # each call's q, k, v: (storage uid, storage bytes, the view's bytes); a fused kernel saves
         # them, and a view into a larger storage (a fused qkv projection's value) keeps all of it
         self.inputs: list[list[tuple[int | None, int, int]]] = []
+        # each call's tracer step when its backward began (None: it never ran backward)
+        self.backward_steps: list[int | None] = []
 
     def attention(
         self,
@@ -112,13 +122,25 @@ class ProbeRecorder:
         self.tracer.probe_owner = f"attention:{path}"
         try:
             bias = _bias_mask(module, query, key, kwargs)
-            out = _Empty.apply(query, key, value, bias)
+            out = _Empty.apply(query, key, value, bias, self._backward_marker(len(self.backward_steps)))
+            self.backward_steps.append(None)
             self.outputs.append(self.tracer.uid_of(out))
             if out.grad_fn is not None and self.tracer.ops:
                 self.tracer.node_op[out.grad_fn] = self.tracer.ops[-1].index
         finally:
             self.tracer.probe_owner = None
         return out, None
+
+    def _backward_marker(self, call: int) -> Callable[[], None]:
+        """Notes the tracer's step as call ``call``'s backward begins (storages freed by then
+        swept), so that what the model's backward holds at that moment can be read off the
+        tracer's storage lives (``hfmodel.trace.backward_live_bytes``)."""
+
+        def started() -> None:
+            self.tracer._sweep()
+            self.backward_steps[call] = self.tracer.step
+
+        return started
 
     def register(self) -> None:
         """Make this recorder the one the registered probe reports to."""

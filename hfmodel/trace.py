@@ -326,23 +326,38 @@ def peak_per_op(events: list[tuple[int, int]], windows: dict[int, list[int]], st
     return {op: max((alive[s] for s in window), default=0) for op, window in windows.items()}
 
 
+def _backward_lives(tracer: Tracer, param_grad_keys: set[int]) -> list[tuple[int, int, int]]:
+    """(bytes, created, end step) of what the backward created and counts as transient:
+    parameter gradients (alive to the end) and a shared parameter's partial gradients excepted."""
+    shared_grads = tracer.shared_parameter_grads()
+    return [
+        (nbytes, created, tracer.step + 1 if died is None else died)
+        for uid, nbytes, created, died, _, in_backward in tracer.storages
+        if in_backward and uid not in shared_grads and (died is not None or not param_grad_keys)
+    ]
+
+
+def backward_live_bytes(tracer: Tracer, param_grad_keys: set[int], step: int) -> int:
+    """What the backward has created and holds at ``step`` (as ``finish`` counts transients)."""
+    return sum(n for n, created, end in _backward_lives(tracer, param_grad_keys) if created <= step < end)
+
+
 def finish(tracer: Tracer, param_grad_keys: set[int]) -> None:
     """Saved bytes and transients of every op, from the storages' recorded lives."""
     tracer._sweep()
     steps = tracer.step
-    forward_events, backward_events = [], []
-    shared_grads = tracer.shared_parameter_grads()
+    forward_events = []
     for uid, nbytes, created, died, op, in_backward in tracer.storages:
-        end = steps + 1 if died is None else died
-        if in_backward and uid in shared_grads:
+        if in_backward:
             continue
-        if not in_backward and uid in tracer.saved:
+        if uid in tracer.saved:
             tracer.ops[op].saved_bytes += nbytes
             tracer.ops[op].saved_by.append((nbytes, frozenset(tracer.savers.get(uid, ()))))
-        elif not in_backward:
-            forward_events += [(created, nbytes), (end, -nbytes)]
-        elif died is not None or not param_grad_keys:
-            backward_events += [(created, nbytes), (end, -nbytes)]
+        else:
+            forward_events += [(created, nbytes), (steps + 1 if died is None else died, -nbytes)]
+    backward_events = [
+        e for n, c, end in _backward_lives(tracer, param_grad_keys) for e in ((c, n), (end, -n))
+    ]
     fwd = peak_per_op(forward_events, {o.index: o.aten_ops for o in tracer.ops}, steps)
     bwd = peak_per_op(backward_events, {o.index: o.backward_ops for o in tracer.ops}, steps)
     for o in tracer.ops:

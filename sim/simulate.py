@@ -32,7 +32,7 @@ from sim.workload.checkpointing import block_input_bytes, checkpoint_plan, kv_ca
 from sim.workload.expert_parallel import expert_parallel_view, split_at_experts
 from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
-from sim.workload.layers import LayerOp, Workload, model_buffer_bytes, output_logits_bytes
+from sim.workload.layers import LayerOp, Workload, float_mask_bytes, model_buffer_bytes, output_logits_bytes
 from sim.workload.model import ModelConfig
 from sim.workload.options import AttentionImpl, OutputFormat, Strategy, WrapPolicy
 from sim.workload.units import build_segments, build_units
@@ -213,6 +213,7 @@ def build_step(
         )
         if training.keep_outputs
         else 0,
+        float_mask_bytes=float_mask_bytes(ops, workload),
         buffer_bytes=model_buffer_bytes(model)
         * dtype_bytes(_buffer_dtype(scenario))
         // dtype_bytes(MASTER_DTYPE),

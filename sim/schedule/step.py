@@ -60,6 +60,9 @@ class StepConfig:
     # ``sim.workload.layers.output_logits_bytes``) until the next forward returns; 0: dropped
     # with ``.loss`` at the forward's end. A KV cache is then the output's, freed with it.
     kept_output_bytes: int = 0
+    # the model's float attention masks (eager attention), built once per micro-batch before the
+    # first block (``sim.workload.layers.float_mask_bytes``); 0: none
+    float_mask_bytes: int = 0
     buffer_bytes: int  # unsharded module buffers (RoPE inverse frequencies)
     collective_temp_buffers: bool
     ddp_bucket_bytes: int

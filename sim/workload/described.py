@@ -42,7 +42,8 @@ def float_mask_count(d: ModelDescription) -> int:
     """The additive float masks HF's eager path builds once per forward: one per causal pattern of
     the model's attention calls (``masking_utils``: ``create_causal_mask`` and, for sliding-window
     layers, ``create_sliding_window_causal_mask``; ``eager_mask`` never skips a causal one), each
-    alive until the decoder stack returns. A bidirectional call without padding needs none."""
+    alive until the decoder stack returns (``sim.workload.layers.float_mask_bytes``). A
+    bidirectional call without padding needs none."""
     patterns = {
         (a.window, a.seq_len, a.kv_seq_len) for op in d.ops if (a := op.attention) is not None and a.causal
     }
@@ -67,8 +68,11 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
         bias_grad=a.bias_grad,
         softcap=a.softcap,
         float_masks=masks,
+        backward_start_bytes=a.backward_start_bytes,
     )
-    flops, saved, fwd, bwd = attention_kernel_figures(shape, w, output_saved=not a.output_counted)
+    flops, saved, fwd, bwd = attention_kernel_figures(
+        shape, w, output_saved=not a.output_counted, model_backward_bytes=base.backward_transient_bytes
+    )
     # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)
     backward_flops = None if base.backward_flops is None else base.backward_flops + 2.0 * flops
     return LayerOp(

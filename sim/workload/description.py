@@ -1,6 +1,6 @@
 """A model described by its measured ops: what ``hfmodel`` extracts from a Hugging Face config.
 
-The description (JSON, ``version`` 5) is written on the torch side (``hfmodel.describe``) and read
+The description (JSON, ``version`` 6) is written on the torch side (``hfmodel.describe``) and read
 here without torch. It holds:
 - ``params``: every parameter as ``transformers`` builds it on the meta device (name, shape,
   registration order, a tied weight once), and ``buffer_bytes`` (module buffers, unsharded);
@@ -31,8 +31,9 @@ from sim.workload.params import ParamSpec
 
 # 3: encoder-decoders (``measured.decoder_seq_len``; attention calls' ``kv_seq_len``, ``dropout``,
 # ``bias``, ``bias_grad``) and tied parameters' later users (``reuses``); 4: attention calls'
-# ``softcap`` (a version 3 file of Gemma 2 would read as uncapped)
-DESCRIPTION_VERSION = 5
+# ``softcap`` (a version 3 file of Gemma 2 would read as uncapped); 6: attention calls'
+# ``backward_start_bytes``
+DESCRIPTION_VERSION = 6
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -55,6 +56,9 @@ class AttentionCall:
     softcap: bool = False  # the scores are tanh soft-capped (Gemma 2's ``attn_logit_softcapping``)
     output_counted: bool = True  # the model's ops already save the output (a projection keeps it)
     extra_saved_bytes: int = 0  # saving q, k, v keeps the rest of the storages they view
+    # what the model's backward holds as the kernel's backward starts: the output's gradient and
+    # whatever else is alive then (the residual stream's gradient), parameter gradients excepted
+    backward_start_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +175,7 @@ def _op(raw: Any, where: str) -> DescribedOp:
             softcap=bool(att.get("softcap", False)),
             output_counted=a.get("output_counted", bool),
             extra_saved_bytes=a.get("extra_saved_bytes", int),
+            backward_start_bytes=a.get("backward_start_bytes", int),
         )
     return DescribedOp(
         name=r.get("name", str),

@@ -35,6 +35,7 @@ which costs the host one eager dispatch.
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import cache, cached_property
@@ -78,9 +79,14 @@ class AttentionShape:
     bias: bool = False  # an additive float bias masks the scores (T5's relative position bias)
     bias_grad: bool = False  # the bias is learned: its gradient flows back (not T5's cross-attention)
     softcap: bool = False  # tanh soft-capping of the scores (Gemma 2's ``attn_logit_softcapping``)
-    # the model's additive float masks alive while it runs (eager attention: one per pattern,
-    # full and sliding, batch × queries × keys in the activation dtype; fused kernels take none)
+    # the model's additive float masks (eager attention: one per pattern, full and sliding,
+    # batch × queries × keys in the activation dtype; fused kernels take none): their bytes are
+    # the schedule's (``float_mask_bytes``), alive from the first block to the stack's end
     float_masks: int = 0
+    # what the model's backward holds as the kernel's backward starts, its output's gradient
+    # among it (measured for a described model's call); None: the kernel alone (the hand-written
+    # ops count no gradients passed between ops)
+    backward_start_bytes: int | None = None
 
     @property
     def kv_len(self) -> int:
@@ -280,9 +286,10 @@ def _eager_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tu
     """(saved, forward transient, backward transient bytes) of a model's eager attention, op by op
     (``sim.workload.eager_attention``): q; k and v as ``repeat_kv`` copies them to every query
     head (the matmuls keep the copies); the s² tensors per score. Beside them in forward the
-    ``@ v`` matmul's output before its ``transpose().contiguous()`` copy, and the model's float
-    masks, alive through the whole forward; in backward, the output's gradient made contiguous
-    and the copied values' gradient with the probabilities' (the first step), or the s² peak."""
+    ``@ v`` matmul's output before its ``transpose().contiguous()`` copy; in backward, the
+    output's gradient made contiguous and the copied values' gradient with the probabilities'
+    (the first step), or the s² peak. In a model (``backward_start_bytes`` known) the backward
+    is ``_eager_backward_in_model``'s."""
     t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
     a, dv = w.act_bytes, shape.v_head_dim or shape.head_dim
     scores = t * shape.heads * shape.kv_len
@@ -290,11 +297,44 @@ def _eager_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tu
     per = eager_score_bytes(a, softcap=shape.softcap, dropout=shape.dropout > 0)
     saved = t * shape.heads * shape.head_dim * a + t_kv * shape.heads * (shape.head_dim + dv) * a
     saved += scores * per.saved + (out if output_saved else 0)
-    masks = shape.float_masks * t * shape.kv_len * a
+    if shape.backward_start_bytes is not None:
+        return saved, max(scores * per.forward_peak, out), _eager_backward_in_model(shape, w)
     # with as many key/value heads as query heads the values' gradient is the model's (the probe's)
     repeated_v_grad = t_kv * shape.heads * dv * a if shape.kv_heads < shape.heads else 0
     backward = max(scores * per.backward_peak, scores * per.av_backward + out + repeated_v_grad)
-    return saved, max(scores * per.forward_peak, out) + masks, backward
+    return saved, max(scores * per.forward_peak, out), backward
+
+
+def _eager_backward_in_model(shape: AttentionShape, w: Workload) -> int:
+    """The eager attention's backward peak inside the model, above everything its op saved: what
+    the model holds as it starts (``backward_start_bytes``: the output's gradient, the residual
+    stream's), less the op's output, which its consumer's backward (the output projection's) has
+    released by then; then the kernel's steps. First the ``@ v`` matmul's backward: the
+    gradient's contiguous copy, the probabilities' gradient and the values' gradient (as
+    ``repeat_kv`` copied them). Then it releases the probabilities' cast and the values it kept
+    (as large as their gradient), and the output's gradient and its copy are gone: from there the
+    s² steps of ``eager_score_bytes`` (the softmax backward's two fp32 gradients). Measured in
+    fake mode on transformers' Llama (tests/test_eager_ac.py)."""
+    assert shape.backward_start_bytes is not None
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    a, dv = w.act_bytes, shape.v_head_dim or shape.head_dim
+    scores = t * shape.heads * shape.kv_len
+    out, v_grad = t * shape.heads * dv * a, t_kv * shape.heads * dv * a
+    per = eager_score_bytes(a, softcap=shape.softcap, dropout=shape.dropout > 0)
+    start = shape.backward_start_bytes - out  # the op's output released
+    return max(start + out + scores * per.av_backward + v_grad, start - out + scores * per.backward_peak)
+
+
+def float_mask_bytes(ops: Sequence[LayerOp], w: Workload) -> int:
+    """The additive float masks HF's eager attention is given (``masking_utils``: one per causal
+    pattern, each batch × 1 × queries × keys in the activation dtype), built once per forward
+    before the first decoder block; none for SDPA's kernels (a causal flag, no mask)."""
+    if w.attention_kernel != "eager":
+        return 0
+    return max(
+        (a.float_masks * a.batch * a.seq_len * a.kv_len * w.act_bytes for op in ops if (a := op.attention)),
+        default=0,
+    )
 
 
 def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
@@ -310,9 +350,11 @@ def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
 
 
 def attention_kernel_figures(
-    shape: AttentionShape, w: Workload, *, output_saved: bool = True
+    shape: AttentionShape, w: Workload, *, output_saved: bool = True, model_backward_bytes: int = 0
 ) -> tuple[float, int, int, int]:
-    """(forward FLOPs, saved, forward transient, backward transient bytes) of the attention kernel.
+    """(forward FLOPs, saved, forward transient, backward transient bytes) of the attention kernel:
+    the transients are what it adds to the op's own (the model's work around it; its backward
+    transient ``model_backward_bytes``).
 
     A fused kernel (flash, memory-efficient, cuDNN) keeps q, k, v, its output and the fp32
     log-sum-exp, and its backward an fp32 dq accumulator; causal masking halves its FLOPs and a
@@ -338,6 +380,8 @@ def attention_kernel_figures(
             saved, bwd_transient = saved + bias_saved, bwd_transient + bias_grad
     elif w.attention_kernel == "eager":
         saved, fwd_transient, bwd_transient = _eager_figures(shape, w, output_saved)
+        if shape.backward_start_bytes is not None:  # a peak in the model, not on top of its own
+            bwd_transient = max(0, bwd_transient - model_backward_bytes)
     else:
         saved, fwd_transient, bwd_transient = _math_figures(shape, w, output_saved)
     width = shape.heads * shape.flops_head_dim
