@@ -12,7 +12,14 @@ from sim.workload.described import float_mask_count
 from sim.workload.description import parse_description
 from sim.workload.eager_attention import eager_score_bytes
 from sim.workload.forward import layer_ops
-from sim.workload.layers import FP32_BYTES, AttentionShape, LayerKind, Workload, attention_kernel_figures
+from sim.workload.layers import (
+    FP32_BYTES,
+    AttentionShape,
+    LayerKind,
+    Workload,
+    attention_kernel_figures,
+    float_mask_bytes,
+)
 from sim.workload.model import ModelConfig
 
 torch = pytest.importorskip("torch")
@@ -154,7 +161,7 @@ def _describe(config: dict) -> ModelConfig:
 
 def test_gemma2_calls_are_soft_capped_and_build_two_masks(gemma2: ModelConfig) -> None:
     """Its layers alternate sliding-window (256 keys) and full attention, every call soft-capped:
-    eager builds one float mask per pattern, and each eager call keeps q, k and v as repeat_kv
+    eager builds one float mask per pattern (the schedule holds them), and each eager call keeps q, k and v as repeat_kv
     copies them to the 4 query heads, and 8 B per score."""
     assert gemma2.description is not None
     calls = [op.attention for op in gemma2.description.ops if op.attention is not None]
@@ -169,8 +176,10 @@ def test_gemma2_calls_are_soft_capped_and_build_two_masks(gemma2: ModelConfig) -
     kernel_saved = t * H * d * 2 * 3 + scores * 8  # q, the repeated k and v, the s² tensors
     flash_kept = t * (H * d * 2 + H * FP32_BYTES) + t * 2 * d * 2 * 2  # q, lse, k and v (2 heads)
     assert eager_op.saved_bytes - flash_op.saved_bytes == kernel_saved - flash_kept
-    masks = 2 * t * S * 2
-    assert eager_op.forward_transient_bytes - flash_op.forward_transient_bytes == scores * 4 + masks
+    assert eager_op.forward_transient_bytes - flash_op.forward_transient_bytes == scores * 4
+    # the two masks are the schedule's, from the first block to the decoder stack's end
+    assert float_mask_bytes(layer_ops(gemma2, w), w) == 2 * t * S * 2
+    assert float_mask_bytes(layer_ops(gemma2, flash), flash) == 0
 
 
 def test_final_logit_soft_capping_keeps_the_capped_logits(gemma2: ModelConfig) -> None:
