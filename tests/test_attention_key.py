@@ -70,10 +70,11 @@ def test_eager_llama_memory_matches_real_fsdp_in_fake_mode(
     tmp_path: Path, monkeypatch, fsdp_version: int, checkpointing: str, seq_len: int
 ) -> None:
     """transformers' Llama built with attn_implementation "eager", one rank of 4 under the fake
-    process group: the predicted peak within 1 % of the measured, without checkpointing (-0.06 %
-    both, seq 1024; +0.52 % before the eager backward was taken inside the model), with full
-    checkpointing (-0.09 % both; -3.11 % while the float mask died with each attention op
-    instead of with block 0's backward) and every second block checkpointed (-0.20 %, seq 512)."""
+    process group: the predicted peak within 1 % of the measured. Seq 1,024: without
+    checkpointing -0.06 % (FSDP2 and FSDP1; +0.52 % while the attention's backward held the
+    model's own measured transient above its s² peak), with full checkpointing -0.09 % (-3.11 %
+    while the float mask was held only during each attention op, not to block 0's backward);
+    every second block checkpointed, seq 512: -0.20 % (-1.54 % before)."""
     pytest.importorskip("transformers")
     from validation.memory_only import validate_memory_only
 
