@@ -19,6 +19,7 @@ from torch import nn
 
 from hfmodel.build import block_prefixes, block_stacks, build_causal_lm, hf_config, is_encoder_decoder
 from hfmodel.finetune import FULL, apply_lora, frozen_params, quantized_params
+from hfmodel.ops import owner_block
 from hfmodel.probe import PROBE, ProbeRecorder
 from hfmodel.trace import HostCalls, OpRecord, Owners, SavedBytes, Tracer, backward_live_bytes, finish
 from sim.dtypes import canonical_dtype
@@ -204,7 +205,7 @@ def _trace(
             tracer.backward = True
             loss.backward()
         grads = {tracer_key(p.grad) for p in params if p.grad is not None}
-        finish(tracer, grads)
+        finish(tracer, grads, block_of=lambda op: owner_block(op, blocks))
         owners.remove()
         # whether autograd keeps each call's output anyway (a trainable projection after it saves
         # it): then the model's ops count it, else the kernel's own saved output must be added

@@ -32,7 +32,7 @@ def _block_of(path: str, blocks: list[str]) -> int | None:
     return None
 
 
-def _owner_block(op: OpRecord, blocks: list[str]) -> int | None:
+def owner_block(op: OpRecord, blocks: list[str]) -> int | None:
     """The block an op runs in (the attention probe's owner is ``attention:<module>``)."""
     return _block_of(op.owner.removeprefix("attention:"), blocks)
 
@@ -42,13 +42,13 @@ def _mark_saved_after_block(ops: list[OpRecord], blocks: list[str]) -> None:
     next block's or the final norm's autograd keeps): a checkpointed block drops its saves, not
     these, unless the region that saves them is itself checkpointed (``sim.schedule.base``)."""
     for op in ops:
-        block = _owner_block(op, blocks)
+        block = owner_block(op, blocks)
         if block is None:
             continue
         op.saved_after_block_bytes = sum(
             nbytes
             for nbytes, savers in op.saved_by
-            if any(s > op.index and _owner_block(ops[s], blocks) != block for s in savers)
+            if any(s > op.index and owner_block(ops[s], blocks) != block for s in savers)
         )
 
 
@@ -85,6 +85,7 @@ def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[st
                 "saved_bytes": op.saved_bytes,
                 "saved_after_block_bytes": op.saved_after_block_bytes,
                 "forward_transient_bytes": op.forward_transient_bytes,
+                "checkpointed_forward_bytes": op.checkpointed_forward_bytes,
                 "backward_transient_bytes": op.backward_transient_bytes,
                 "gemms": [list(g) for g in op.gemms],
                 "backward_flops": op.backward_flops,

@@ -18,7 +18,10 @@ forward is running), or by the attention probe (``hfmodel.probe``). For each op:
   and head): autograd holds them until the last use's gradient arrives and sums them into the
   parameter's, which the schedule counts from the first of them on;
 - ``host_ops``: Python-level torch calls of its forward (``TorchFunctionMode``), the eager
-  dispatches a GPU host pays.
+  dispatches a GPU host pays;
+- ``checkpointed_forward_bytes`` (block ops): the most alive during the op of what its block's
+  ops created, were the block checkpointed: a storage autograd saves then lives only to its last
+  use in the forward, the others as they did (each through the step of its last use).
 """
 
 from collections.abc import Callable
@@ -62,6 +65,7 @@ class OpRecord:
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
     host_ops: int = 0
+    checkpointed_forward_bytes: int = 0
     gemms: list[tuple[int, int, int, int]] = field(default_factory=list)
     aten_ops: list[int] = field(default_factory=list)  # global forward op indices
     backward_ops: list[int] = field(default_factory=list)
@@ -160,7 +164,7 @@ class Tracer(TorchDispatchMode):
         self.backward = False
         self.step = 0  # aten calls so far (forward and backward)
         self.param_keys = {_key(p) for p in params}
-        # storage key -> [uid, bytes, created, died, op index, backward?]
+        # storage key -> [uid, bytes, created, died, op index, backward?, last forward use]
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.storages: list[list[Any]] = []
         self.node_op: dict[Any, int] = {}  # autograd node -> op index
@@ -234,7 +238,9 @@ class Tracer(TorchDispatchMode):
                 continue
             uid = len(self.storages)
             self.live[key] = (StorageWeakRef(t.untyped_storage()), uid)
-            self.storages.append([uid, t.untyped_storage().nbytes(), self.step, None, op, self.backward])
+            self.storages.append(
+                [uid, t.untyped_storage().nbytes(), self.step, None, op, self.backward, self.step]
+            )
 
     def uid_of(self, t: torch.Tensor) -> int | None:
         entry = self.live.get(_key(t))
@@ -260,6 +266,10 @@ class Tracer(TorchDispatchMode):
             return out
         op = self._current_forward_op()
         op.aten_ops.append(self.step)
+        for key in inputs:  # the forward's last use of each storage it reads
+            entry = self.live.get(key)
+            if entry is not None:
+                self.storages[entry[1]][6] = self.step
         flops, shape, moved = _work(name, func, args, kwargs, out)
         op.flops += flops
         op.memory_bytes += moved
@@ -332,7 +342,7 @@ def _backward_lives(tracer: Tracer, param_grad_keys: set[int]) -> list[tuple[int
     shared_grads = tracer.shared_parameter_grads()
     return [
         (nbytes, created, tracer.step + 1 if died is None else died)
-        for uid, nbytes, created, died, _, in_backward in tracer.storages
+        for uid, nbytes, created, died, _, in_backward, _ in tracer.storages
         if in_backward and uid not in shared_grads and (died is not None or not param_grad_keys)
     ]
 
@@ -342,12 +352,31 @@ def backward_live_bytes(tracer: Tracer, param_grad_keys: set[int], step: int) ->
     return sum(n for n, created, end in _backward_lives(tracer, param_grad_keys) if created <= step < end)
 
 
-def finish(tracer: Tracer, param_grad_keys: set[int]) -> None:
-    """Saved bytes and transients of every op, from the storages' recorded lives."""
+def _held_until(creator: str, user: OpRecord | None, last_use: int, module_end: dict[str, int]) -> int:
+    """The last step a checkpointed forward holds a storage the creator module made and ``user``
+    read last: that use, or the end of the call (a child of the two modules' common ancestor)
+    inside which it was read."""
+    if user is None:
+        return last_use
+    made = creator.removeprefix("attention:").split(".")
+    used = user.owner.removeprefix("attention:").split(".")
+    common = 0
+    while common < min(len(made), len(used)) and made[common] == used[common]:
+        common += 1
+    if common == len(used):  # read by the common ancestor itself
+        return last_use
+    return max(last_use, module_end.get(".".join(used[: common + 1]), last_use))
+
+
+def finish(
+    tracer: Tracer, param_grad_keys: set[int], block_of: Callable[[OpRecord], int | None] | None = None
+) -> None:
+    """Saved bytes and transients of every op, from the storages' recorded lives; with
+    ``block_of`` (the block an op runs in) also each block op's ``checkpointed_forward_bytes``."""
     tracer._sweep()
     steps = tracer.step
     forward_events = []
-    for uid, nbytes, created, died, op, in_backward in tracer.storages:
+    for uid, nbytes, created, died, op, in_backward, _ in tracer.storages:
         if in_backward:
             continue
         if uid in tracer.saved:
@@ -363,3 +392,39 @@ def finish(tracer: Tracer, param_grad_keys: set[int]) -> None:
     for o in tracer.ops:
         o.forward_transient_bytes = fwd[o.index]
         o.backward_transient_bytes = bwd[o.index]
+    if block_of is not None:
+        _checkpointed_forward(tracer, block_of)
+
+
+def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | None]) -> None:
+    """Each block op's ``checkpointed_forward_bytes``: what its block's ops created and a
+    checkpointed forward still holds at the op (non-reentrant checkpointing saves nothing, so a
+    saved storage dies after its last forward use; the block's input, made by the block before,
+    is the checkpoint's and not counted here)."""
+    blocks = [block_of(o) for o in tracer.ops]
+    step_op = {step: o for o in tracer.ops for step in o.aten_ops}
+    module_end: dict[str, int] = {}  # module path -> the last forward step of it or a submodule
+    for o in tracer.ops:
+        path = o.owner.removeprefix("attention:")
+        parts = path.split(".") if path else []
+        for i in range(len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            module_end[prefix] = max(module_end.get(prefix, 0), max(o.aten_ops, default=0))
+    events: dict[int, list[tuple[int, int]]] = {}
+    for uid, nbytes, created, died, op, in_backward, last_use in tracer.storages:
+        block = blocks[op]
+        if in_backward or block is None:
+            continue
+        # a save dies after its last forward use, or, used inside a submodule, when that
+        # submodule returns (the caller's variable that passed it is rebound then); anything
+        # else as it did, through its last step
+        if uid in tracer.saved:
+            last = _held_until(tracer.ops[op].owner, step_op.get(last_use), last_use, module_end)
+        else:
+            last = tracer.step + 1 if died is None else died
+        end = last + 1
+        events.setdefault(block, []).extend([(created, nbytes), (end, -nbytes)])
+    for block, block_events in events.items():
+        windows = {o.index: o.aten_ops for o in tracer.ops if blocks[o.index] == block}
+        for index, peak in peak_per_op(block_events, windows, tracer.step).items():
+            tracer.ops[index].checkpointed_forward_bytes = peak

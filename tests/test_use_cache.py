@@ -46,7 +46,12 @@ def test_the_cache_lives_from_each_blocks_forward_to_the_first_blocks_backward(
     path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
     result = simulate(load_scenario(path, ["model.use_cache=true", fsdp]))
     ops = result.program.ops
-    allocs = [(i, a) for i, op in enumerate(ops) for a in op.allocs if a.label.startswith("kv_cache")]
+    allocs = [
+        (i, a)
+        for i, op in enumerate(ops)
+        for a in (*op.allocs, *op.end_allocs)
+        if a.label.startswith("kv_cache")
+    ]
     kinds = [(ops[i].kind, ops[i].unit) for i, _ in allocs]
     assert kinds == [
         (OpKind.FORWARD, "model.layers.0"),
@@ -73,7 +78,12 @@ def test_a_legacy_cache_dies_with_the_output_at_the_forwards_end(tmp_path: Path,
     path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
     result = simulate(load_scenario(path, ["model.use_cache=true", 'model.output_format="legacy"', fsdp]))
     ops = result.program.ops
-    allocs = [(i, a) for i, op in enumerate(ops) for a in op.allocs if a.label.startswith("kv_cache")]
+    allocs = [
+        (i, a)
+        for i, op in enumerate(ops)
+        for a in (*op.allocs, *op.end_allocs)
+        if a.label.startswith("kv_cache")
+    ]
     assert [(ops[i].kind, ops[i].unit) for i, _ in allocs] == [
         (OpKind.FORWARD, "model.layers.0"),
         (OpKind.FORWARD, "model.layers.1"),

@@ -98,6 +98,9 @@ class SegmentFigures:
     # op-level selective checkpointing: the outputs it keeps, and what it recomputes
     sac_kept_bytes: int = 0
     sac_recompute_s: float = 0.0
+    # a checkpointed block's segment: the most its block holds while the segment runs (measured
+    # for described models, ``LayerOp.checkpointed_forward_bytes``); None: saved + transient
+    checkpointed_forward_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,6 +188,7 @@ class ComputeCosts:
             ),
             forward_host_s=sum(op.host_ops for op in seg.ops) * self.host_op_s,
             backward_host_s=2 * sum(op.host_ops for op in seg.ops) * self.host_op_s,
+            checkpointed_forward_bytes=_checkpointed_forward_bytes(seg.ops),
         )
 
     def copy_s(self, nbytes: float) -> float:
@@ -193,6 +197,15 @@ class ComputeCosts:
 
     def optimizer_s(self, numel: int) -> float:
         return numel * self.optimizer_s_per_element
+
+
+def _checkpointed_forward_bytes(ops: Sequence[LayerOp]) -> int | None:
+    """The most a checkpointed segment's block holds during any of its ops, where every op has
+    the measured figure (each already counts what earlier ops of the block still hold)."""
+    figures = [op.checkpointed_forward_bytes for op in ops]
+    if not figures or any(f is None for f in figures):
+        return None
+    return max(f for f in figures if f is not None)
 
 
 def _deepspeed_layer(compute: ComputeSection, stage: int | None) -> dict[str, float]:

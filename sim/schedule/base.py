@@ -14,6 +14,7 @@ from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.schedule.model_state import numel_per_rank, resident_allocs
 from sim.schedule.step import StepConfig
+from sim.workload.layers import LayerKind
 from sim.workload.options import OptimizerName
 from sim.workload.units import ROOT, input_needs_grad
 
@@ -62,6 +63,7 @@ class ScheduleBuilder:
         # whose cache it holds (freed when the next forward returns)
         self.held_output: list[str] = ["previous_output"] if cfg.kept_output_bytes else []
         self.held_cache: Activations | None = None
+        self._attention_segments: dict[int, int] = {}
         self.compute_waits: list[int] = []  # ops the next compute-stream op waits for
         self.grad_labels: list[str] = []  # gradients the optimizer step consumes
         self.host_cursor: int | None = None  # the host's last op: nothing it issues starts before
@@ -272,7 +274,16 @@ class ScheduleBuilder:
                 Alloc(label=kept, category=MemoryCategory.ACTIVATIONS, bytes=cfg.block_input_bytes[block])
             )
         saved = self.label("activations", seg.unit, mb)
-        allocs.append(Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_bytes))
+        saved_bytes, transient_bytes = fig.saved_bytes, fig.forward_transient_bytes
+        if (
+            self.checkpointed(i)
+            and fig.checkpointed_forward_bytes is not None
+            and not cfg.checkpoint.selective_op
+        ):
+            # measured: what the checkpointed block holds while the segment runs (a save lives
+            # only to its last forward use), in place of all its saves plus its transient
+            saved_bytes, transient_bytes = fig.checkpointed_forward_bytes, 0
+        allocs.append(Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=saved_bytes))
         if self.checkpointed(i):
             frees.append(saved)
             if fig.saved_after_block_bytes and not self._next_region_checkpointed(i):
@@ -289,13 +300,15 @@ class ScheduleBuilder:
         else:
             acts.saved[i] = saved
         # model.use_cache: the cache keeps a checkpointed block's K/V past the block (an unchecked
-        # block's are saved for its backward anyway: the cache shares their storage)
+        # block's are saved for its backward anyway: the cache shares their storage); until its
+        # attention has run they are the block's own tensors, so the cache takes them from the
+        # end of the segment that runs it
         cached = cfg.kv_cache_bytes[block] if cfg.kv_cache_bytes and block is not None else 0
-        if cached and self.checkpointed(i) and self.first_of_block(i):
+        end_allocs: tuple[Alloc, ...] = ()
+        if cached and self.checkpointed(i) and i == self._attention_segment(block):
             cache = self.label("kv_cache", seg.unit, mb)
             acts.kv_cache.append(cache)
-            allocs.append(Alloc(label=cache, category=MemoryCategory.ACTIVATIONS, bytes=cached))
-        end_allocs: tuple[Alloc, ...] = ()
+            end_allocs = (Alloc(label=cache, category=MemoryCategory.ACTIVATIONS, bytes=cached),)
         if i == len(cfg.segments) - 1 and cfg.kept_output_bytes:  # the new output replaces the held one
             frees += self.held_output
             if self.held_cache is not None:
@@ -303,6 +316,7 @@ class ScheduleBuilder:
                 self.held_cache.kv_cache = []
             logits = self.label("model_output", seg.unit, mb)
             end_allocs = (
+                *end_allocs,
                 Alloc(label=logits, category=MemoryCategory.ACTIVATIONS, bytes=cfg.kept_output_bytes),
             )
             self.held_output, self.held_cache = [logits], acts
@@ -314,7 +328,7 @@ class ScheduleBuilder:
         transient = self.label("forward_temp", seg.unit, mb)
         allocs += [
             *extra_allocs,
-            Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.forward_transient_bytes),
+            Alloc(label=transient, category=MemoryCategory.OTHER, bytes=transient_bytes),
         ]
         frees += [transient, *extra_frees]
         return self.compute(
@@ -360,6 +374,16 @@ class ScheduleBuilder:
             return []
         label, acts.float_masks = acts.float_masks, None
         return [label]
+
+    def _attention_segment(self, block: int | None) -> int | None:
+        """The segment of ``block`` that runs its (first) attention op, else its last segment."""
+        if block is None:
+            return None
+        if block not in self._attention_segments:
+            mine = [i for i, s in enumerate(self.cfg.segments) if s.block == block]
+            runs = [i for i in mine if any(op.kind is LayerKind.ATTENTION for op in self.cfg.segments[i].ops)]
+            self._attention_segments[block] = runs[0] if runs else mine[-1]
+        return self._attention_segments[block]
 
     def _cache_holder(self) -> int | None:
         """model.use_cache with checkpointing: the block whose checkpoint region holds the

@@ -85,6 +85,11 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
         memory_bytes=base.memory_bytes,
         saved_bytes=base.saved_bytes + saved + a.extra_saved_bytes,
         forward_transient_bytes=base.forward_transient_bytes + fwd,
+        # checkpointed: what the kernel makes and keeps or holds while it runs; its inputs as the
+        # model hands them (q, k and v at the KV heads) and its output are already the block's
+        checkpointed_forward_bytes=None
+        if base.checkpointed_forward_bytes is None
+        else base.checkpointed_forward_bytes + saved + fwd - _given_bytes(shape, w, not a.output_counted),
         backward_transient_bytes=base.backward_transient_bytes + bwd,
         attention=shape,
         host_ops=base.host_ops,
@@ -92,6 +97,16 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
         backward_flops=backward_flops,
         backward_memory_bytes=base.backward_memory_bytes,
     )
+
+
+def _given_bytes(shape: AttentionShape, w: Workload, output_saved: bool) -> int:
+    """Of the kernel's saved bytes, the tensors the block's own ops made (measured with the
+    block): q, k and v as the model hands them (k and v at the KV heads; the eager path's
+    ``repeat_kv`` copies are the kernel's) and, where the kernel's figures count it, the output."""
+    t, t_kv, a = shape.batch * shape.seq_len, shape.batch * shape.kv_len, w.act_bytes
+    dv = shape.v_head_dim or shape.head_dim
+    given = t * shape.heads * shape.head_dim * a + t_kv * shape.kv_heads * (shape.head_dim + dv) * a
+    return given + (t * shape.heads * dv * a if output_saved else 0)
 
 
 def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
@@ -108,11 +123,14 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
     # read and write of it (its peak is no higher than the add that follows in the bf16 trace)
     if op.module.endswith(".base_layer") and op.gemm is not None:
         moved += 2 * op.gemm[0] * op.gemm[1] * a
+    forward_dequant = sum(dequant_transient_bytes(n, a, dq, backward=False) for n in numels)
     return replace(
         op,
         memory_bytes=op.memory_bytes + moved,
-        forward_transient_bytes=op.forward_transient_bytes
-        + sum(dequant_transient_bytes(n, a, dq, backward=False) for n in numels),
+        forward_transient_bytes=op.forward_transient_bytes + forward_dequant,
+        checkpointed_forward_bytes=None
+        if op.checkpointed_forward_bytes is None
+        else op.checkpointed_forward_bytes + forward_dequant,
         backward_memory_bytes=(op.backward_memory_bytes or 0.0) + (moved if backward else 0.0),
         backward_transient_bytes=op.backward_transient_bytes
         + (sum(dequant_transient_bytes(n, a, dq, backward=True) for n in numels) if backward else 0),
@@ -133,6 +151,7 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, masks: 
         saved_after_block_bytes=op.saved_after_block_bytes,
         forward_transient_bytes=op.forward_transient_bytes,
         backward_transient_bytes=op.backward_transient_bytes,
+        checkpointed_forward_bytes=op.checkpointed_forward_bytes if op.block is not None else None,
         gemm=op.gemms[0][:3] if single else None,
         grouped_gemms=() if single else op.gemms,
         host_ops=op.host_ops,

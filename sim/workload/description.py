@@ -1,6 +1,6 @@
 """A model described by its measured ops: what ``hfmodel`` extracts from a Hugging Face config.
 
-The description (JSON, ``version`` 6) is written on the torch side (``hfmodel.describe``) and read
+The description (JSON, ``version`` 7) is written on the torch side (``hfmodel.describe``) and read
 here without torch. It holds:
 - ``params``: every parameter as ``transformers`` builds it on the meta device (name, shape,
   registration order, a tied weight once), and ``buffer_bytes`` (module buffers, unsharded);
@@ -32,8 +32,8 @@ from sim.workload.params import ParamSpec
 # 3: encoder-decoders (``measured.decoder_seq_len``; attention calls' ``kv_seq_len``, ``dropout``,
 # ``bias``, ``bias_grad``) and tied parameters' later users (``reuses``); 4: attention calls'
 # ``softcap`` (a version 3 file of Gemma 2 would read as uncapped); 6: attention calls'
-# ``backward_start_bytes``
-DESCRIPTION_VERSION = 6
+# ``backward_start_bytes``; 7: block ops' ``checkpointed_forward_bytes``
+DESCRIPTION_VERSION = 7
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -75,6 +75,9 @@ class DescribedOp:
     backward_transient_bytes: int
     # of saved_bytes, what ops after its block save (a checkpointed block's output they keep)
     saved_after_block_bytes: int = 0
+    # a block op's: what its block's ops hold during it when the block is checkpointed (nothing
+    # saved: each storage to its last forward use), the attention kernel's own work excepted
+    checkpointed_forward_bytes: int = 0
     gemms: tuple[tuple[int, int, int, int], ...] = ()
     attention: AttentionCall | None = None
     host_ops: int = 0
@@ -189,6 +192,7 @@ def _op(raw: Any, where: str) -> DescribedOp:
         saved_after_block_bytes=r.get("saved_after_block_bytes", int),
         forward_transient_bytes=r.get("forward_transient_bytes", int),
         backward_transient_bytes=r.get("backward_transient_bytes", int),
+        checkpointed_forward_bytes=r.get("checkpointed_forward_bytes", int),
         gemms=_gemms(r.get("gemms", list), where),
         attention=call,
         host_ops=r.get("host_ops", int),

@@ -139,6 +139,9 @@ class LayerOp:
     saved_after_block_bytes: int = 0
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
+    # what its block holds during it when the block is checkpointed (measured for described
+    # models' block ops; None: the analytic ones, whose checkpointed segments hold saved + transient)
+    checkpointed_forward_bytes: int | None = None
     gemm: tuple[int, int, int] | None = None  # (M, N, K) of a linear's forward matmul
     # several matmuls in one op, each (M, N, K, count): grouped expert matmuls, a LoRA linear
     grouped_gemms: tuple[tuple[int, int, int, int], ...] = ()
