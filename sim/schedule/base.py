@@ -390,12 +390,12 @@ class ScheduleBuilder:
         ``DynamicCache`` longest. Non-reentrant checkpointing keeps each region's inputs, the
         cache object among its keyword arguments, until the region's backward: the cache (every
         block's K/V) lives to the end of the first checkpointed block's backward (transformers
-        5.24, measured in fake mode). None: no cache, or no checkpointed block holds it (the
-        cache dies with the model's output at the forward's end, after the loss), as transformers
-        before 4.36 kept it: each block returns its (k, v), which no block is given again."""
-        cfg = self.cfg
-        if not self._cache_appends() or cfg.kept_output_bytes:  # kept: the output holds it longer
-            return None  # legacy tuples (transformers 4.31, measured in fake mode): freed with the output
+        5.24, measured in fake mode). None: no cache or no checkpointed block; a legacy cache
+        (transformers < 4.36: each block returns its (k, v), which no block is given again; it
+        dies with the model's output at the forward's end, after the loss, measured on 4.31); or
+        a kept output, which holds the cache longer (``training.keep_outputs``)."""
+        if not self._cache_appends() or self.cfg.kept_output_bytes:
+            return None
         return min(self.cfg.checkpoint.blocks)
 
     def _cache_appends(self) -> bool:
