@@ -4,6 +4,7 @@ argument of their recomputation) to the end of the first checkpointed block's ba
 recompute appends its block's K/V again."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,16 @@ def _scenario(tmp_path: Path, model_lines: str, extra: str = "") -> Path:
         f'[precision]\nparam_dtype = "bf16"\nreduce_dtype = "fp32"\n{extra}'
     )
     return path
+
+
+def _cache_allocs(ops: list[Any]) -> list[tuple[int, Any]]:
+    """(op index, allocation) of every K/V the cache takes, at an op's start or end."""
+    return [
+        (i, a)
+        for i, op in enumerate(ops)
+        for a in (*op.allocs, *op.end_allocs)
+        if a.label.startswith("kv_cache")
+    ]
 
 
 @pytest.mark.parametrize("model", ['preset = "tiny"', f'config = "{DATA / "tiny-llama.json"}"'])
@@ -46,12 +57,7 @@ def test_the_cache_lives_from_each_blocks_forward_to_the_first_blocks_backward(
     path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
     result = simulate(load_scenario(path, ["model.use_cache=true", fsdp]))
     ops = result.program.ops
-    allocs = [
-        (i, a)
-        for i, op in enumerate(ops)
-        for a in (*op.allocs, *op.end_allocs)
-        if a.label.startswith("kv_cache")
-    ]
+    allocs = _cache_allocs(ops)
     kinds = [(ops[i].kind, ops[i].unit) for i, _ in allocs]
     assert kinds == [
         (OpKind.FORWARD, "model.layers.0"),
@@ -78,12 +84,7 @@ def test_a_legacy_cache_dies_with_the_output_at_the_forwards_end(tmp_path: Path,
     path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
     result = simulate(load_scenario(path, ["model.use_cache=true", 'model.output_format="legacy"', fsdp]))
     ops = result.program.ops
-    allocs = [
-        (i, a)
-        for i, op in enumerate(ops)
-        for a in (*op.allocs, *op.end_allocs)
-        if a.label.startswith("kv_cache")
-    ]
+    allocs = _cache_allocs(ops)
     assert [(ops[i].kind, ops[i].unit) for i, _ in allocs] == [
         (OpKind.FORWARD, "model.layers.0"),
         (OpKind.FORWARD, "model.layers.1"),

@@ -173,6 +173,16 @@ def _set_prefetch(units: list[Any], scenario: Scenario) -> None:
             unit.set_modules_to_backward_prefetch(units[max(0, i - bwd) : i][::-1])
 
 
+def step_loss(
+    model: Any, ids: torch.Tensor, labels: torch.Tensor, keep_outputs: bool
+) -> tuple[torch.Tensor, Any]:
+    """One micro-batch's forward: its loss, and the output the loop keeps (``training.keep_outputs``:
+    ``outputs = model(**batch)``, held until the next forward returns); None, as
+    ``loss = model(**batch).loss``, drops the output with the forward."""
+    outputs = model(input_ids=ids, labels=labels)
+    return outputs.loss, (outputs if keep_outputs else None)
+
+
 def batch(scenario: Scenario, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and labels; an encoder-decoder's labels are its decoder's tokens (its decoder's
     length; transformers shifts them right into the decoder's input)."""

@@ -15,7 +15,7 @@ from calibrate.unit_timing import synced_now
 from sim.scenario.deepspeed_config import deepspeed_config
 from sim.scenario.sections import Scenario
 from sim.workload.checkpointing import checkpoint_plan
-from validation.build import Wrapped, apply_checkpointing, batch, build_scenario_model
+from validation.build import Wrapped, apply_checkpointing, batch, build_scenario_model, step_loss
 
 
 class DeepSpeedTrainer:
@@ -57,11 +57,7 @@ class DeepSpeedTrainer:
         for mb in range(self.scenario.training.grad_accum):
             ids, labels = (t.to(self.device) for t in batch(self.scenario, self.rank, index * 100 + mb))
             t0 = synced_now(self.device)
-            if self.scenario.training.keep_outputs:  # `outputs = model(**batch)`: held to the next
-                self.outputs = engine(input_ids=ids, labels=labels)
-                loss = self.outputs.loss
-            else:
-                loss = engine(input_ids=ids, labels=labels).loss
+            loss, self.outputs = step_loss(engine, ids, labels, self.scenario.training.keep_outputs)
             t1 = synced_now(self.device)
             engine.backward(loss)
             t2 = synced_now(self.device)

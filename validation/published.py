@@ -275,10 +275,10 @@ def predict(run: PublishedRun) -> StepReport:
 def _row(run: PublishedRun, r: StepReport) -> tuple[str, float | None]:
     if run.tokens_per_s_per_gpu is None:
         verdict = "agrees" if not r.fits else "DISAGREES"
-        predicted = "fits" if r.fits else f"does not fit ({r.required_bytes / 2**30:.1f} GiB)"
+        predicted = "fits" if r.fits else f"does not fit ({r.required_bytes / GIB:.1f} GiB)"
         return f"| {run.name} | {predicted} | out of memory | {verdict} | {r.mfu:.1%} |", None
     error = r.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu - 1
-    fit = "" if r.fits else f" (predicted not to fit: {r.required_bytes / 2**30:.1f} GiB)"
+    fit = "" if r.fits else f" (predicted not to fit: {r.required_bytes / GIB:.1f} GiB)"
     return (
         f"| {run.name} | {r.tokens_per_s_per_gpu:,.0f}{fit} | {run.tokens_per_s_per_gpu:,.0f} | {error:+.1%} | {r.mfu:.1%} |",
         error,

@@ -25,7 +25,7 @@ from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.workload.options import Strategy
 from validation.build import batch as _batch
-from validation.build import build_scenario_model, wrap
+from validation.build import build_scenario_model, step_loss, wrap
 from validation.counting import CollectiveCounter, counting_allreduce_hook
 
 # FSDPMemTracker categories -> the simulator's
@@ -90,11 +90,7 @@ class Trainer:
             ids, labels = (t.to(self.device) for t in _batch(self.scenario, self.rank, index * 100 + mb))
             t0 = synced_now(self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                if self.scenario.training.keep_outputs:  # `outputs = model(**batch)`: held to the next
-                    self.outputs = self.model(input_ids=ids, labels=labels)
-                    loss = self.outputs.loss
-                else:
-                    loss = self.model(input_ids=ids, labels=labels).loss
+                loss, self.outputs = step_loss(self.model, ids, labels, self.scenario.training.keep_outputs)
             t1 = synced_now(self.device)
             with self._gradient_sync(mb == self.scenario.training.grad_accum - 1):
                 loss.backward()

@@ -63,7 +63,6 @@ class ScheduleBuilder:
         # whose cache it holds (freed when the next forward returns)
         self.held_output: list[str] = ["previous_output"] if cfg.kept_output_bytes else []
         self.held_cache: Activations | None = None
-        self._attention_segments: dict[int, int] = {}
         self.compute_waits: list[int] = []  # ops the next compute-stream op waits for
         self.grad_labels: list[str] = []  # gradients the optimizer step consumes
         self.host_cursor: int | None = None  # the host's last op: nothing it issues starts before
@@ -79,7 +78,7 @@ class ScheduleBuilder:
         if not cfg.kept_output_bytes:
             return []
         cache = sum(cfg.kv_cache_bytes)
-        if cfg.kv_cache_in_block_inputs:
+        if self._cache_appends():
             cache += sum(b for block, b in enumerate(cfg.kv_cache_bytes) if cfg.checkpoint.covers(block))
         nbytes = cfg.kept_output_bytes + cache
         return [Alloc(label="previous_output", category=MemoryCategory.ACTIVATIONS, bytes=nbytes)]
@@ -379,11 +378,9 @@ class ScheduleBuilder:
         """The segment of ``block`` that runs its (first) attention op, else its last segment."""
         if block is None:
             return None
-        if block not in self._attention_segments:
-            mine = [i for i, s in enumerate(self.cfg.segments) if s.block == block]
-            runs = [i for i in mine if any(op.kind is LayerKind.ATTENTION for op in self.cfg.segments[i].ops)]
-            self._attention_segments[block] = runs[0] if runs else mine[-1]
-        return self._attention_segments[block]
+        mine = [i for i, s in enumerate(self.cfg.segments) if s.block == block]
+        runs = (i for i in mine if any(op.kind is LayerKind.ATTENTION for op in self.cfg.segments[i].ops))
+        return next(runs, mine[-1])
 
     def _cache_holder(self) -> int | None:
         """model.use_cache with checkpointing: the block whose checkpoint region holds the
