@@ -89,8 +89,11 @@ def _maybe_fault(fault: Fault | None, rank: int, index: int) -> None:
 
 def sweep_all(req: CommRequest, cfg: SweepConfig, env: RankEnv, device: Any, dog: Watchdog) -> list[Curve]:
     """Measure every (family, collective, dtype, size); identical results on every rank."""
+    from calibrate.cache_state import last_level_cache_bytes
     from calibrate.sweep import build_op, measure_point
     from calibrate.sweep_plan import iters_for, sizes_for
+
+    cache_bytes = last_level_cache_bytes(device)
 
     families = plan_group_families(env.world_size, env.local_world_size, req.shard_size)
     curves, index = [], 0
@@ -113,8 +116,19 @@ def sweep_all(req: CommRequest, cfg: SweepConfig, env: RankEnv, device: Any, dog
                         f"{collective} of {size} B {dtype} on the {fam.kind} group of {fam.size}",
                         cfg.timeout_s,
                     )
-                    op = build_op(collective, size, dtype, pg, members.index(env.rank), fam.size, device)
-                    points.append(measure_point(op, size, cfg.warmup, iters_for(cfg, size), device))
+                    iters = iters_for(cfg, size)
+                    op = build_op(
+                        collective,
+                        size,
+                        dtype,
+                        pg,
+                        members.index(env.rank),
+                        fam.size,
+                        device,
+                        uses=cfg.warmup + iters,
+                        cache_bytes=cache_bytes,
+                    )
+                    points.append(measure_point(op, size, cfg.warmup, iters, device))
                     dog.disarm()
                 curve = Curve(
                     key=key, points=tuple(points), fit=fit_curve(key, points), source=f"{fam.kind} group"

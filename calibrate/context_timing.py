@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from calibrate.cache_state import evict
 from calibrate.compute import ComputeTarget
 from calibrate.hf_llama import llama_config
 from calibrate.sweep import TORCH_DTYPES
@@ -36,6 +37,7 @@ def _model(target: ComputeTarget, n_layers: int, device: torch.device) -> torch.
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> tuple[float, float]:
     """(forward, backward) seconds of one training step of ``model`` on ``ids``."""
+    evict(device)
     t0 = synced_now(device)
     loss = model(input_ids=ids, labels=ids).loss
     t1 = synced_now(device)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from calibrate.cache_state import evict
 from calibrate.compute import STACK_DEPTH_KEYS, ComputeTarget
 from calibrate.sweep import TORCH_DTYPES
 from calibrate.unit_timing import synced_now
@@ -203,6 +204,7 @@ def _step_times(dm: DescribedModel, target: ComputeTarget, device: torch.device)
     clock = _Clock(device)
     handles = _register(dm, clock)
     batch = _batch(target, device)
+    evict(device)  # the step's data out of cache, as the rest of a training step leaves it
     try:
         t0 = synced_now(device)
         loss = dm.model(**batch).loss
@@ -264,7 +266,9 @@ def _recompute_times(
     for j, layer in enumerate(dm.layers):
         dm.replace_layer(j, checkpoint_wrapper(layer, preserve_rng_state=False, context_fn=stopwatch_for(j)))
     for _ in range(reps + 1):
-        dm.model(**_batch(target, device)).loss.backward()
+        batch = _batch(target, device)
+        evict(device)
+        dm.model(**batch).loss.backward()
         dm.model.zero_grad(set_to_none=True)
     return {f"block.{i}.recompute_s": statistics.fmean(spent[j][1:]) for j, i in enumerate(dm.kept)}
 

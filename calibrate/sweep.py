@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from calibrate.cache_state import copies_for, evict
 from calibrate.records import Point, point_from_times
 from sim.dtypes import dtype_bytes
 
@@ -43,48 +44,95 @@ def _pattern_sum(
 @dataclass(frozen=True)
 class _Op:
     run: Callable[[], Any]
-    before_each: Callable[[], Any]
-    wrong: Callable[[], int]
+    before_each: Callable[[], Any]  # untimed, before each iteration: the next buffer set
+    wrong: Callable[[], int]  # wrong elements of the last iteration's result
+    current_output: Callable[[], torch.Tensor]
+    sets: int  # buffer sets the iterations rotate through
+
+
+class _Rotation:
+    """Which of ``n`` buffer sets the next iteration uses (``advance`` before each one)."""
+
+    def __init__(self, n: int):
+        self.n, self.i = n, -1
+
+    def advance(self) -> int:
+        self.i = (self.i + 1) % self.n
+        return self.i
 
 
 def build_op(
-    collective: str, size_bytes: int, dtype: str, group: Any, grank: int, gsize: int, device: torch.device
+    collective: str,
+    size_bytes: int,
+    dtype: str,
+    group: Any,
+    grank: int,
+    gsize: int,
+    device: torch.device,
+    *,
+    uses: int,
+    cache_bytes: int,
 ) -> _Op:
-    """Buffers, the call, and the #wrong check of one collective at one nccl-tests size."""
+    """Buffers, the call, and the #wrong check of one collective at one nccl-tests size.
+
+    A training step does not find a collective's buffers in cache (FSDP2 allocates each
+    all-gather's output anew, and the rest of the step has passed through the cache since a
+    bucket was last used), while back-to-back iterations on one buffer do: on this project's
+    2-core Xeon a 3.5 MB gloo all-gather took 1.7 ms on a reused buffer and 3.5 ms after the
+    cache was overwritten. So the ``uses`` iterations of a point rotate through as many copies
+    of the buffers as ``cache_state.copies_for`` says for ``cache_bytes`` (the last-level cache),
+    like hipBLASLt-bench's ``--rotating`` buffers. The all-reduce's buffer is refilled from its
+    pristine input just before each iteration, as DDP fills a bucket just before reducing it."""
     td = TORCH_DTYPES[dtype]
     n = size_bytes // dtype_bytes(dtype)
     chunk = n // gsize
+    itemsize = dtype_bytes(dtype)
     if collective == "all_gather":
         inp = _pattern(grank, chunk, grank * chunk, td, device)
-        out = torch.empty(n, dtype=td, device=device)
         expected = torch.cat([_pattern(r, chunk, r * chunk, td, device) for r in range(gsize)])
-        return _Op(lambda: _all_gather(out, inp, group), lambda: None, lambda: int((out != expected).sum()))
-    if collective == "reduce_scatter":
+        set_bytes = (chunk + n) * itemsize
+    elif collective == "reduce_scatter":
         inp = _pattern(grank, n, 0, td, device)
-        out = torch.empty(chunk, dtype=td, device=device)
         expected = _pattern_sum(gsize, chunk, grank * chunk, td, device)
-        return _Op(
-            lambda: _reduce_scatter(out, inp, group), lambda: None, lambda: int((out != expected).sum())
-        )
-    if collective == "all_reduce":
-        pristine = _pattern(grank, n, 0, td, device)
-        buf = pristine.clone()
+        set_bytes = (n + chunk) * itemsize
+    elif collective == "all_reduce":
+        inp = _pattern(grank, n, 0, td, device)  # pristine: each iteration reduces a fresh copy
         expected = _pattern_sum(gsize, n, 0, td, device)
-        return _Op(
-            lambda: dist.all_reduce(buf, group=group),
-            lambda: buf.copy_(pristine),
-            lambda: int((buf != expected).sum()),
-        )
-    if collective == "all_to_all":  # rank r sends chunk d (offset d · chunk) to rank d
+        set_bytes = n * itemsize
+    elif collective == "all_to_all":  # rank r sends chunk d (offset d · chunk) to rank d
         inp = torch.cat([_pattern(grank, chunk, d * chunk, td, device) for d in range(gsize)])
-        out = torch.empty(chunk * gsize, dtype=td, device=device)
         expected = torch.cat([_pattern(r, chunk, grank * chunk, td, device) for r in range(gsize)])
+        set_bytes = 2 * chunk * gsize * itemsize
+    else:
+        raise ValueError(f"unknown collective {collective!r}")
+    rotation = _Rotation(copies_for(set_bytes, uses=uses, cache_bytes=cache_bytes))
+    ins = [inp] + ([] if collective == "all_reduce" else [inp.clone() for _ in range(rotation.n - 1)])
+    outs = [torch.empty_like(expected) for _ in range(rotation.n)]
+
+    evict(device)  # every copy was just written: out of cache before the first iteration
+
+    def wrong() -> int:
+        return int((outs[rotation.i] != expected).sum())
+
+    def current_output() -> torch.Tensor:
+        return outs[rotation.i]
+
+    if collective == "all_reduce":  # in place: the set is refilled from the pristine input first
+
+        def refill() -> None:
+            outs[rotation.advance()].copy_(inp)
+
         return _Op(
-            lambda: dist.all_to_all_single(out, inp, group=group),
-            lambda: None,
-            lambda: int((out != expected).sum()),
+            lambda: dist.all_reduce(outs[rotation.i], group=group), refill, wrong, current_output, rotation.n
         )
-    raise ValueError(f"unknown collective {collective!r}")
+    call = {
+        "all_gather": lambda o, i: _all_gather(o, i, group),
+        "reduce_scatter": lambda o, i: _reduce_scatter(o, i, group),
+        "all_to_all": lambda o, i: dist.all_to_all_single(o, i, group=group),
+    }[collective]
+    return _Op(
+        lambda: call(outs[rotation.i], ins[rotation.i]), rotation.advance, wrong, current_output, rotation.n
+    )
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
