@@ -1,6 +1,7 @@
 """Measuring one point of the sweep (torch): buffers, timed iterations, and the #wrong check.
 
-One point (nccl-tests style, ``src/common.cu``): warm-up iterations, then timed iterations; each
+One point (nccl-tests style, ``src/common.cu``): warm-up iterations, then timed iterations, each
+on its own copy of the buffers where the cache would still hold a reused one (``build_op``); each
 timed iteration starts after a world barrier (GPU: after a device synchronize, timed with CUDA
 events; CPU: wall clock around the call). A rank's iteration time is its own; the point's
 iteration time is the max over ranks, since a collective is done when its last rank is.
@@ -82,7 +83,9 @@ def build_op(
     cache was overwritten. So the ``uses`` iterations of a point rotate through as many copies
     of the buffers as ``cache_state.copies_for`` says for ``cache_bytes`` (the last-level cache),
     like hipBLASLt-bench's ``--rotating`` buffers. The all-reduce's buffer is refilled from its
-    pristine input just before each iteration, as DDP fills a bucket just before reducing it."""
+    pristine input just before each iteration, as DDP fills a bucket just before reducing it. On
+    a CPU an output copy's pages are first touched by its first iteration, as a step's freshly
+    allocated output's are."""
     td = TORCH_DTYPES[dtype]
     n = size_bytes // dtype_bytes(dtype)
     chunk = n // gsize
