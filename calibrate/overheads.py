@@ -46,28 +46,28 @@ def _sync(device: torch.device) -> None:
 def _mean_s(fn: Any, device: torch.device, reps: int, *, evicted: bool = False) -> float:
     """Mean seconds of ``fn`` repeated after one warm-up call: back to back (its data in cache),
     or ``evicted``, each call after the last-level cache is overwritten (``cache_state.evict``)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if evicted:
-            evict(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.fmean(times)
+    return _rotating_mean_s([fn], device, reps, evicted=evicted, evict_first=False)
 
 
-def _rotating_mean_s(fns: list[Callable[[], Any]], device: torch.device, reps: int) -> float:
+def _rotating_mean_s(
+    fns: list[Callable[[], Any]],
+    device: torch.device,
+    reps: int,
+    *,
+    evicted: bool = False,
+    evict_first: bool = True,
+) -> float:
     """Mean seconds of ``reps`` calls taking ``fns`` in turn, after one warm-up call of the first:
     each ``fn`` works on its own data, as many as it takes for each call to find its data out of
     the last-level cache (``cache_state.copies_for``), which is overwritten once first."""
-    evict(device)
+    if evict_first:
+        evict(device)
     fns[0]()
     times = []
     for rep in range(1, reps + 1):
         fn = fns[rep % len(fns)]
+        if evicted:
+            evict(device)
         _sync(device)
         t0 = time.perf_counter()
         fn()

@@ -75,3 +75,16 @@ def test_each_iteration_of_a_point_uses_the_next_buffer_set(collective: str, one
         seen.append(op.current_output().data_ptr())
     assert len(set(seen)) == op.sets
     assert seen == [seen[i % op.sets] for i in range(7)]  # round robin: the longest reuse distance
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_cache_is_the_devices_l2() -> None:
+    device = torch.device("cuda", 0)
+    assert (
+        cache_state.last_level_cache_bytes(device)
+        == torch.cuda.get_device_properties(device).L2_cache_size
+        > 0
+    )
+    cache_state.evict(device)  # the buffer lives on the device
+    assert cache_state._buffer(device).device.type == "cuda"
