@@ -46,22 +46,15 @@ def _sync(device: torch.device) -> None:
 def _mean_s(fn: Any, device: torch.device, reps: int, *, evicted: bool = False) -> float:
     """Mean seconds of ``fn`` repeated after one warm-up call: back to back (its data in cache),
     or ``evicted``, each call after the last-level cache is overwritten (``cache_state.evict``)."""
-    return _rotating_mean_s([fn], device, reps, evicted=evicted, evict_first=False)
+    return _rotating_mean_s([fn], device, reps, evicted=evicted)
 
 
 def _rotating_mean_s(
-    fns: list[Callable[[], Any]],
-    device: torch.device,
-    reps: int,
-    *,
-    evicted: bool = False,
-    evict_first: bool = True,
+    fns: list[Callable[[], Any]], device: torch.device, reps: int, *, evicted: bool = False
 ) -> float:
     """Mean seconds of ``reps`` calls taking ``fns`` in turn, after one warm-up call of the first:
     each ``fn`` works on its own data, as many as it takes for each call to find its data out of
-    the last-level cache (``cache_state.copies_for``), which is overwritten once first."""
-    if evict_first:
-        evict(device)
+    the last-level cache (``cache_state.copies_for``; the caller evicts once after making them)."""
     fns[0]()
     times = []
     for rep in range(1, reps + 1):
@@ -95,6 +88,7 @@ def copy_rates(target: ComputeTarget, device: torch.device, reps: int) -> dict[s
     outs = [torch.empty(w, n, device=device, dtype=dtype) for n in shard]
     grads = [torch.randn(s, device=device, dtype=dtype) for s in shapes]
     bytes_per = dtype.itemsize
+    evict(device)  # every shard set was just written: out of cache before the first copy-in
     times = {
         "all_gather_copy_in": _rotating_mean_s(
             [partial(torch.cat, shards) for shards in shard_sets], device, reps

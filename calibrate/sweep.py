@@ -87,40 +87,38 @@ def build_op(
     a CPU an output copy's pages are first touched by its first iteration, as a step's freshly
     allocated output's are."""
     td = TORCH_DTYPES[dtype]
-    n = size_bytes // dtype_bytes(dtype)
-    chunk = n // gsize
     itemsize = dtype_bytes(dtype)
+    n = size_bytes // itemsize
+    chunk = n // gsize
     if collective == "all_gather":
         inp = _pattern(grank, chunk, grank * chunk, td, device)
         expected = torch.cat([_pattern(r, chunk, r * chunk, td, device) for r in range(gsize)])
-        set_bytes = (chunk + n) * itemsize
     elif collective == "reduce_scatter":
         inp = _pattern(grank, n, 0, td, device)
         expected = _pattern_sum(gsize, chunk, grank * chunk, td, device)
-        set_bytes = (n + chunk) * itemsize
     elif collective == "all_reduce":
         inp = _pattern(grank, n, 0, td, device)  # pristine: each iteration reduces a fresh copy
         expected = _pattern_sum(gsize, n, 0, td, device)
-        set_bytes = n * itemsize
     elif collective == "all_to_all":  # rank r sends chunk d (offset d · chunk) to rank d
         inp = torch.cat([_pattern(grank, chunk, d * chunk, td, device) for d in range(gsize)])
         expected = torch.cat([_pattern(r, chunk, grank * chunk, td, device) for r in range(gsize)])
-        set_bytes = 2 * chunk * gsize * itemsize
     else:
         raise ValueError(f"unknown collective {collective!r}")
+    in_place = collective == "all_reduce"  # one buffer per set; the input stays pristine
+    set_bytes = (expected.numel() + (0 if in_place else inp.numel())) * itemsize
     rotation = _Rotation(copies_for(set_bytes, uses=uses, cache_bytes=cache_bytes))
-    ins = [inp] + ([] if collective == "all_reduce" else [inp.clone() for _ in range(rotation.n - 1)])
+    ins = [inp] + ([] if in_place else [inp.clone() for _ in range(rotation.n - 1)])
     outs = [torch.empty_like(expected) for _ in range(rotation.n)]
 
     evict(device)  # every copy was just written: out of cache before the first iteration
 
-    def wrong() -> int:
-        return int((outs[rotation.i] != expected).sum())
-
     def current_output() -> torch.Tensor:
         return outs[rotation.i]
 
-    if collective == "all_reduce":  # in place: the set is refilled from the pristine input first
+    def wrong() -> int:
+        return int((current_output() != expected).sum())
+
+    if in_place:  # the set is refilled from the pristine input first
 
         def refill() -> None:
             outs[rotation.advance()].copy_(inp)
