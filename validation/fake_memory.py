@@ -385,9 +385,16 @@ def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dic
 
 def _fsdp1_step(trainer: FakeTrainer) -> dict[str, Any]:
     """FSDP1 under the fake group: the storage-level tracker the real FSDP1 runs use."""
+    from hfmodel.finetune import quant_state_bytes
     from validation.step_memory import measure_fsdp1_step
 
-    return measure_fsdp1_step(trainer.model, trainer.optimizer, lambda: _tracked_steps(trainer))
+    measured = measure_fsdp1_step(trainer.model, trainer.optimizer, lambda: _tracked_steps(trainer))
+    quant = quant_state_bytes(trainer.model)  # QLoRA's: module attributes, not parameters or buffers
+    if quant:  # allocated before the step and held through it, as in the FSDP2 run
+        measured["total"] += quant
+        measured["params"] += quant
+        measured["raw"]["quant_state"] = quant
+    return measured
 
 
 def _tracked_steps(trainer: FakeTrainer) -> None:

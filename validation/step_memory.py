@@ -12,7 +12,10 @@ counted once, by storage.
 Categories at the peak: what lived at the start by what it is; the unsharded flat parameters as
 ``params`` and the low-precision shards as ``comm_buffers``; storages created in forward as
 ``activations`` and in backward or the optimizer step as ``other`` (gradients included: at the
-storage level a sharded gradient is not told apart from a temporary).
+storage level a sharded gradient is not told apart from a temporary). With a ``torch.optim``
+optimizer the step is told by its hooks, so an ``autograd.Function``'s forward (run without grad,
+e.g. QLoRA's 4-bit matmul) still makes activations; without one (DeepSpeed's engine), by
+``torch.is_grad_enabled()``.
 """
 
 from typing import Any
@@ -37,9 +40,24 @@ class StepMemory(TorchDispatchMode):
             StorageWeakRef(t.untyped_storage()).cdata: cat for cat, ts in resized.items() for t in ts
         }
         self._start(model, optimizer, resized)
+        self._stepping: bool | None = None  # None: the optimizer step is not observable
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._stepping = False
+            optimizer.register_step_pre_hook(lambda *_: self._set_stepping(True))
+            optimizer.register_step_post_hook(lambda *_: self._set_stepping(False))
         self.peak = 0
         self.at_peak: dict[str, int] = {}
         self._orig_resize: Any = None
+
+    def _set_stepping(self, value: bool) -> None:
+        self._stepping = value
+
+    def _category(self) -> str:
+        """What a storage made now is: backward and optimizer-step work is ``other``."""
+        if _in_backward():
+            return "other"
+        outside_forward = self._stepping if self._stepping is not None else not torch.is_grad_enabled()
+        return "other" if outside_forward else "activations"
 
     def _add(self, storage: torch.UntypedStorage, category: str) -> None:
         ref = StorageWeakRef(storage)
@@ -74,7 +92,7 @@ class StepMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._update()
         out = func(*args, **(kwargs or {}))
-        category = "other" if _in_backward() or not torch.is_grad_enabled() else "activations"
+        category = self._category()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self._add(t.untyped_storage(), category)

@@ -361,13 +361,13 @@ def _check_precision(precision: Any, where: str) -> None:
 
 
 def _check_finetune_system(s: Scenario, where: str) -> None:
-    """LoRA is modelled in the FSDP2, DDP and (LoRA only) FSDP1 schedules; accumulation without
+    """LoRA and QLoRA are modelled in the FSDP2, DDP and FSDP1 schedules; accumulation without
     sync in the FSDP2 and DDP ones."""
     fsdp1 = s.parallel.fsdp_version == 1 and not s.deepspeed.enabled
-    if s.parallel.wrap is WrapPolicy.PEFT and not (fsdp1 and s.finetune.method is FinetuneMethod.LORA):
+    if s.parallel.wrap is WrapPolicy.PEFT and not (fsdp1 and s.finetune.lora):
         raise UserError(
             f"{where}: parallel.wrap = \"peft\" is PEFT's FSDP1 policy for LoRA's adapters; it needs "
-            'parallel.fsdp_version = 1 and finetune.method = "lora"'
+            'parallel.fsdp_version = 1 and finetune.method = "lora" or "qlora"'
         )
     if fsdp1 and s.finetune.lora:
         _check_fsdp1_lora(s, where)
@@ -412,14 +412,9 @@ def _check_fsdp1_lora(s: Scenario, where: str) -> None:
     false``) one ``requires_grad``, else ``FullyShardedDataParallel`` refuses; with
     ``use_orig_params = true`` a unit mixing frozen and trainable weights computes, reduce-scatters
     and keeps gradients of the frozen ones too (their views share the flat parameter's
-    ``requires_grad``), which the LoRA description does not hold."""
-    if s.finetune.method is not FinetuneMethod.LORA:
-        raise UserError(
-            f"{where}: finetune.method = {s.finetune.method.value!r} is modelled under FSDP2 and DDP "
-            '(parallel.fsdp_version = 2); FSDP1 models finetune.method = "lora"'
-        )
-    if s.fsdp1.cpu_offload:
-        raise UserError(f'{where}: fsdp1.cpu_offload with finetune.method = "lora" is not modelled')
+    ``requires_grad``), which the LoRA description does not hold. QLoRA's packed base flattens
+    with the block's norms only when ``finetune.quant_storage`` is their dtype (why FSDP-QLoRA
+    stores it in bf16)."""
     if s.param_dtype != "fp32" and s.fsdp1.mixed_precision:
         # measured: a real 2-rank gloo step of PEFT's fp32 adapters over a bf16 base under
         # MixedPrecision(param_dtype=bf16) fails in its first forward ("expected m1 and m2 to have

@@ -175,7 +175,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         cast_s = 0.0
         if self.opts.offload_params:
             copy = self.label("offloaded_shard_on_device", unit, mb.index)
-            deps = (self._h2d(unit, shard * cfg.master_bytes, copy, deps),)
+            deps = (self._h2d(unit, shard * self.stored[unit], copy, deps),)  # the shard as stored
             frees.append(copy)
         if self._mixed(unit):
             cast = self.label("mp_shard", unit, mb.index)
@@ -281,6 +281,38 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
                 self._post_forward(seg.unit, op)
         self._post_forward(ROOT, op)
         self.unshard_after = None
+
+    # -- recompute ---------------------------------------------------------------------------
+
+    def _wrapped_in_checkpoint(self, i: int) -> bool:
+        """Segment ``i`` belongs to a unit wrapped inside its checkpointed block (PEFT's adapters,
+        ``linear`` wrap's units): ``apply_activation_checkpointing`` wraps the decoder layer inside
+        its own ``FullyShardedDataParallel``, so the recompute runs the hooks of the units nested in
+        it, not those of the block's unit (the owner of its first segment) or the root."""
+        segs = self.cfg.segments
+        unit, block = segs[i].unit, segs[i].block
+        owner = next(s.unit for s in segs if s.block == block)
+        return unit not in (ROOT, owner)
+
+    def _before_recompute(self, i: int, mb: int) -> None:
+        """A nested unit's ``_pre_forward`` in the recompute: it all-gathers again what its
+        forward resharded (measured: 29 all-gathers in a real FSDP1 step of 2 checkpointed blocks
+        with 4 adapter units each, against 21 without the recompute's)."""
+        unit = self.cfg.segments[i].unit
+        if not self._wrapped_in_checkpoint(i) or i != self.layout.first_seg[unit]:
+            return
+        self.host(f"fsdp1 pre-forward {unit} (recompute)", unit, mb, self.cfg.costs.fsdp_forward_host_s)
+        self._unshard(unit)
+        self._wait_for_unshard()
+
+    def _after_recompute(self, i: int, op: int) -> None:
+        """The nested unit's ``_post_forward`` in the recompute: resharded again (FULL_SHARD),
+        its pre-backward unshards it once more."""
+        unit = self.cfg.segments[i].unit
+        if not self._wrapped_in_checkpoint(i) or i != self.layout.last_seg[unit]:
+            return
+        self._reshard(unit, free=self.sharded and self.cfg.strategy.reshards_after_forward, after=op)
+        self.mb.needs_pre_backward.add(unit)
 
     # -- backward ----------------------------------------------------------------------------
 

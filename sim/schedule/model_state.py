@@ -102,7 +102,7 @@ def model_state(step: StepConfig) -> ModelState:
         return ModelState(params=z.params, grads=z.grads, optimizer=z.optimizer)
     numel, b = numel_per_rank(step), step.master_bytes
     if step.fsdp1 is not None and step.fsdp1.offload_params:  # CPUOffload: shards and states on the host
-        return ModelState(params=0, grads=numel * b, optimizer=0)
+        return ModelState(params=step.quant_state_bytes, grads=numel * b, optimizer=0)
     if step.fsdp2_host_state:  # CPUOffloadPolicy: every shard and state on the host; QLoRA's state stays
         return ModelState(params=step.quant_state_bytes, grads=0, optimizer=0)
     frozen = sum(unit_frozen_bytes_per_rank(step, u) for u in step.units) + step.quant_state_bytes
@@ -118,9 +118,8 @@ def host_bytes(step: StepConfig) -> int:
         from sim.schedule.zero_state import zero_state
 
         return zero_state(step).host_bytes
-    if step.fsdp1 is not None and step.fsdp1.offload_params:
-        return (2 + OPTIMIZER_STATES[step.optimizer]) * numel_per_rank(step) * step.master_bytes
-    if step.fsdp2_host_state:  # CPUOffloadPolicy: the shards (frozen ones in their dtype), gradients, states
+    offloaded = (step.fsdp1 is not None and step.fsdp1.offload_params) or step.fsdp2_host_state
+    if offloaded:  # CPUOffload(Policy): the shards (frozen ones in their dtype), gradients, states
         frozen = sum(unit_frozen_bytes_per_rank(step, u) for u in step.units)
         return (2 + OPTIMIZER_STATES[step.optimizer]) * numel_per_rank(step) * step.master_bytes + frozen
     return 0
