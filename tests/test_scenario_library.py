@@ -198,38 +198,45 @@ def test_lora_on_one_rtx_3090_fits_to_4096_tokens_with_checkpointing() -> None:
     assert longer["peak_memory_bytes"] > base["peak_memory_bytes"]
 
 
+def _recipe_gathers(report: dict) -> int:
+    """FSDP-QLoRA's all-gathers: 80 blocks with 12 adapter units each (lora_A and lora_B of six
+    targets) under PEFT's wrap policy; each block in forward and again in backward, each adapter
+    also in the checkpointed block's recompute, the root once."""
+    return 80 * 2 + 80 * 12 * 3 + 1
+
+
 def test_qlora_70b_on_two_rtx_3090s_needs_the_recipes_cpu_offload() -> None:
     """scenarios/qlora-llama2-70b-2x3090.toml: the 4-bit base sharded over two cards is about 17 GiB
     a card, but with the rank-64 adapters' fp32 AdamW state it does not fit 24 GB without the
     recipe's CPU offload (its sibling with the offload, below); the packed all-gathers over PCIe
-    hide behind compute."""
+    mostly hide behind compute, the adapters' small ones (no forward prefetch in FSDP1) do not."""
     name = "qlora-llama2-70b-2x3090.toml"
     assert (ROOT / "scenarios" / name).read_text().startswith("# Question: ")
     report = run(name)
     assert not report["fits"]
     assert 68e9 < report["n_params"] < 71e9  # counted as transformers counts them, not packed
     gathered = report["collectives"]["all_gather"]
-    assert gathered["count"] == 2 * 80 + 1  # each block in forward and again in backward, the root once
-    assert report["breakdown_s"]["exposed_comm"] < 0.05 * report["step_time_s"]
+    assert gathered["count"] == _recipe_gathers(report)
+    assert report["breakdown_s"]["exposed_comm"] < 0.15 * report["step_time_s"]
 
 
 def test_qlora_70b_on_two_rtx_3090s_fits_with_the_recipes_cpu_offload() -> None:
-    """scenarios/qlora-llama2-70b-2x3090-offload.toml: the recipe as published. FSDP2's
-    CPUOffloadPolicy keeps the packed base shard and the adapters' fp32 state on the host: the card
-    holds a few GiB; every all-gather's packed shard crosses PCIe first (each block twice, the root
-    once), the adapters' gradients come back, and torch's AdamW steps them on the CPU."""
+    """scenarios/qlora-llama2-70b-2x3090-offload.toml: the recipe as published. FSDP1's
+    CPUOffload keeps every flat-parameter shard (the packed base, the adapters) and the adapters'
+    fp32 gradients and AdamW state on the host: the card holds a few GiB; every all-gather's shard
+    crosses PCIe first, the adapters' gradient shards come back, and torch's AdamW steps them on
+    the CPU."""
     name = "qlora-llama2-70b-2x3090-offload.toml"
     assert (ROOT / "scenarios" / name).read_text().startswith("# Question: ")
     report, without = run(name), run("qlora-llama2-70b-2x3090.toml")
     assert report["fits"] and report["peak_memory_bytes"] < 0.3 * without["peak_memory_bytes"]
     assert report["model_state_breakdown_bytes"]["optimizer"] == 0
     gathered = report["collectives"]["all_gather"]
-    assert gathered["count"] == 2 * 80 + 1
-    # what is gathered crossed PCIe first as this rank's shard, half of it on two ranks, the
-    # adapters in fp32 (they are cast to bf16 on the device for the all-gather)
-    assert gathered["bytes"] // 2 < report["offload_bytes"]["h2d"] < 1.05 * gathered["bytes"] // 2
+    assert gathered["count"] == _recipe_gathers(report)
+    # what is gathered crossed PCIe first as this rank's shard, half of it on two ranks, each in
+    # its own dtype (no MixedPrecision: the adapters gather in fp32 as they are stored)
+    assert report["offload_bytes"]["h2d"] == gathered["bytes"] // 2
     assert report["host_memory_bytes"] > 15 * 2**30  # half the packed 4-bit base and the adapters' state
-    assert report["breakdown_s"]["exposed_comm"] < 0.01 * report["step_time_s"]
     assert report["breakdown_s"]["idle"] > 0.1 * report["step_time_s"]  # the CPU optimizer step
 
 

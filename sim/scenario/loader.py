@@ -444,6 +444,11 @@ def _check_fsdp1_lora(s: Scenario, where: str) -> None:
             raise UserError(
                 f"{where}: FSDP1 cannot flatten {label}: its parameters are {' and '.join(dtypes)} "
                 "(FSDP1 flattens only tensors of one dtype)"
+                + (
+                    f'; set finetune.quant_storage = "{s.param_dtype}" (FSDP-QLoRA\'s bnb_4bit_quant_storage)'
+                    if any(p.quantized_numel for p in unit.params)
+                    else ""
+                )
             )
 
 
