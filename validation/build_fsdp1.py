@@ -20,6 +20,7 @@ from calibrate.sweep import TORCH_DTYPES
 from sim.scenario.sections import Scenario
 from sim.workload.checkpointing import CheckpointPlan
 from sim.workload.options import BackwardPrefetch as SimBackwardPrefetch
+from sim.workload.options import WrapPolicy
 from sim.workload.units import unit_prefixes
 from validation.sac_policy import op_sac_context
 
@@ -45,23 +46,23 @@ def _backward_prefetch(value: SimBackwardPrefetch) -> Any:
     return None if value is SimBackwardPrefetch.NONE else BackwardPrefetch[value.value]
 
 
-def apply_checkpointing_fsdp1(model: nn.Module, plan: CheckpointPlan) -> None:
-    """Non-reentrant checkpointing of the plan's decoder blocks inside their FSDP units."""
+def apply_checkpointing_fsdp1(model: nn.Module, plan: CheckpointPlan, blocks: list[nn.Module]) -> None:
+    """Non-reentrant checkpointing of the plan's decoder blocks inside their FSDP units; ``blocks``
+    are the decoder layers in order, found by the scenario's block paths before wrapping (any
+    architecture's class, not only ``LlamaDecoderLayer``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
         checkpoint_wrapper,
     )
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    layers = (m for m in model.modules() if isinstance(m, LlamaDecoderLayer))
-    blocks = {id(layer): i for i, layer in enumerate(layers)}
+    index = {id(block): i for i, block in enumerate(blocks)}
     kwargs: dict[str, Any] = {"preserve_rng_state": False}
     if plan.selective_op:
         kwargs["context_fn"] = op_sac_context
     apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kwargs),
-        check_fn=lambda m: id(m) in blocks and plan.covers(blocks[id(m)]),
+        check_fn=lambda m: id(m) in index and plan.covers(index[id(m)]),
     )
 
 
@@ -71,6 +72,7 @@ def wrap_fsdp1(model: nn.Module, scenario: Scenario, mesh: Any, plan: Checkpoint
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
     modules = dict(model.named_modules())
+    blocks = [modules[prefix] for prefix in unit_prefixes(scenario.model, WrapPolicy.BLOCK)]
     targets = {id(modules[prefix]) for prefix in unit_prefixes(scenario.model, scenario.parallel.wrap)}
     f = scenario.fsdp1
     device = (
@@ -92,5 +94,5 @@ def wrap_fsdp1(model: nn.Module, scenario: Scenario, mesh: Any, plan: Checkpoint
         device_mesh=mesh if scenario.parallel.strategy.is_hybrid else None,
     )
     if plan.active:
-        apply_checkpointing_fsdp1(wrapped, plan)
+        apply_checkpointing_fsdp1(wrapped, plan, blocks)
     return wrapped
