@@ -452,7 +452,7 @@ def _check_fsdp1_lora(s: Scenario, where: str) -> None:
             )
 
 
-def _check_finetune(f: FinetuneSection, param_dtype: str, where: str) -> None:
+def _check_finetune(f: FinetuneSection, param_dtype: str, fsdp_version: int, where: str) -> None:
     """Before the model is described with these settings."""
     if not f.lora:
         return
@@ -475,6 +475,13 @@ def _check_finetune(f: FinetuneSection, param_dtype: str, where: str) -> None:
             raise UserError(
                 f"{where}: finetune.quant_storage = {name!r} differs from precision.param_dtype = "
                 f"{param_dtype!r}: FSDP2 would cast the packed 4-bit weights; use {param_dtype!r} or 'uint8'"
+            )
+        if fsdp_version == 1 and name != canonical_dtype(param_dtype):
+            # a block's FlatParameter holds its packed weights with its norms, stored in param_dtype
+            raise UserError(
+                f"{where}: FSDP1 cannot flatten the packed 4-bit weights ({name}) with the blocks' "
+                f"{canonical_dtype(param_dtype)} norms (FSDP1 flattens only tensors of one dtype); "
+                f'set finetune.quant_storage = "{canonical_dtype(param_dtype)}" (FSDP-QLoRA\'s bnb_4bit_quant_storage)'
             )
 
 
@@ -539,7 +546,7 @@ def scenario_from_dict(data: dict[str, Any], where: str, overrides: Sequence[str
             raise UserError(f"{where}: unknown section [{name}]{_did_you_mean(name, list(SECTIONS))}")
     built = {name: _build_section(name, cls, data.get(name, {}), where) for name, cls in SECTIONS.items()}
     _check_precision(built["precision"], where)
-    _check_finetune(built["finetune"], built["precision"].param_dtype, where)
+    _check_finetune(built["finetune"], built["precision"].param_dtype, built["parallel"].fsdp_version, where)
     model_section = built.pop("model")
     model = _resolve_model(model_section, built, where)
     built["cluster"], spec = _cluster(data.get("cluster", {}), built["cluster"], where)
