@@ -277,3 +277,17 @@ def test_comm_prints_the_nccl_tests_figures_as_json() -> None:
         data["algbw_Bps"] * 2 * 31 / 32
     )  # nccl-tests' all-reduce factor
     assert (data["n_ranks"], data["algorithm"], data["protocol"]) == (32, "ring", "Simple")
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="the refusal is for machines without a GPU"
+)
+@pytest.mark.parametrize("memory_only", [True, False])
+def test_validating_fsdp1_cpu_offload_without_a_gpu_is_one_line(memory_only: bool) -> None:
+    """FSDP1's CPUOffload pins host memory, which needs an accelerator: refused before anything runs,
+    not a traceback from the real run's ranks."""
+    args = ("--memory-only",) if memory_only else ("--nproc", "2")
+    proc = fsdpsim(
+        "validate", TINY, *args, "--set", "parallel.fsdp_version=1", "--set", "fsdp1.cpu_offload=true"
+    )
+    assert_user_error(proc, "fsdp1.cpu_offload = true cannot run on this machine", "CUDA")

@@ -17,12 +17,23 @@ import torch
 from torch import nn
 
 from calibrate.sweep import TORCH_DTYPES
+from sim.errors import UserError
 from sim.scenario.sections import Scenario
 from sim.workload.checkpointing import CheckpointPlan
 from sim.workload.options import BackwardPrefetch as SimBackwardPrefetch
 from sim.workload.options import WrapPolicy
 from sim.workload.units import unit_prefixes
 from validation.sac_policy import op_sac_context
+
+
+def check_runs_here(scenario: Scenario) -> None:
+    """FSDP1's ``CPUOffload`` pins its host shards (``pin_memory()``), which needs an accelerator:
+    refused in one line on a machine without one, before anything runs."""
+    if scenario.parallel.fsdp_version == 1 and scenario.fsdp1.cpu_offload and not torch.cuda.is_available():
+        raise UserError(
+            f"{scenario.source}: fsdp1.cpu_offload = true cannot run on this machine: FSDP1's CPUOffload "
+            "pins host memory, which needs a CUDA device; simulate it (fsdpsim run) or validate on a GPU"
+        )
 
 
 def _mixed_precision(scenario: Scenario) -> Any:

@@ -17,6 +17,7 @@ from sim.outputs.report import build_report
 from sim.scenario.loader import load_scenario
 from sim.simulate import SimResult, simulate
 from sim.workload.options import Strategy
+from validation.build_fsdp1 import check_runs_here
 from validation.compare import Comparison, compare
 from validation.launch import run_real
 
@@ -68,7 +69,9 @@ def validate_one(
 ) -> Validation:
     """Run for real, simulate with a calibrated profile, and compare."""
     overrides = [*overrides, f"parallel.world_size={nproc}"]
-    load_scenario(scenario_path, overrides)  # a user mistake fails here, before anything runs
+    check_runs_here(
+        load_scenario(scenario_path, overrides)
+    )  # a user mistake fails here, before anything runs
     with tempfile.TemporaryDirectory(prefix="fsdpsim-profile-") as tmp:
         if profile is None or load_profile(profile).compute is None:
             profile = calibrated_profile(scenario_path, overrides, nproc, Path(tmp), profile)
