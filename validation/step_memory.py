@@ -28,13 +28,37 @@ from torch.utils._pytree import tree_flatten
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
 
 
+class AllocationLog:
+    """The storages a tracked step allocates and frees, in order, with the stream the CUDA caching
+    allocator would serve each from (FSDP1: the unsharded flat parameters on its unshard stream,
+    what ``_reduce_grad`` makes on its post-backward stream, the rest on the compute stream):
+    ``events`` holds ("alloc", key, bytes, stream) and ("free", key, 0, "")."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int, str]] = []
+        self.stream = "compute"  # set by whoever wraps FSDP1's reduction
+
+    def alloc(self, key: int, nbytes: int, *, resized: bool = False) -> None:
+        self.events.append(("alloc", key, nbytes, "all_gather" if resized else self.stream))
+
+    def free(self, key: int) -> None:
+        self.events.append(("free", key, 0, ""))
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
 class StepMemory(TorchDispatchMode):
-    def __init__(self, model: torch.nn.Module, optimizer: Any, resized: dict[str, list[torch.Tensor]]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        resized: dict[str, list[torch.Tensor]],
+        log: "AllocationLog | None" = None,
+    ):
         super().__init__()
+        self._log = log
         self._live: dict[int, tuple[StorageWeakRef, int, str]] = {}  # cdata -> (ref, bytes, category)
         self._resized = {
             StorageWeakRef(t.untyped_storage()).cdata: cat for cat, ts in resized.items() for t in ts
@@ -63,6 +87,8 @@ class StepMemory(TorchDispatchMode):
         ref = StorageWeakRef(storage)
         if ref.cdata not in self._live:
             self._live[ref.cdata] = (ref, storage.nbytes(), category)
+            if self._log is not None:
+                self._log.alloc(ref.cdata, storage.nbytes())
 
     def _start(self, model: torch.nn.Module, optimizer: Any, resized: dict[str, list[torch.Tensor]]) -> None:
         for category, tensors in resized.items():
@@ -82,6 +108,8 @@ class StepMemory(TorchDispatchMode):
     def _update(self) -> None:
         for key in [k for k, (ref, _, _) in self._live.items() if ref.expired()]:
             del self._live[key]
+            if self._log is not None:
+                self._log.free(key)
         total = sum(n for _, n, _ in self._live.values())
         if total > self.peak:
             self.peak = total
@@ -105,6 +133,10 @@ class StepMemory(TorchDispatchMode):
         if ref.cdata in self._live:
             old = self._live[ref.cdata]
             self._live[ref.cdata] = (old[0], storage.nbytes(), old[2])
+            if self._log is not None and storage.nbytes() != old[1]:  # FSDP1's in-place alloc or free
+                self._log.free(ref.cdata)
+                if storage.nbytes():
+                    self._log.alloc(ref.cdata, storage.nbytes(), resized=True)
         self._update()
 
     def __enter__(self) -> "StepMemory":
@@ -138,9 +170,12 @@ def fsdp1_resized_storages(model: torch.nn.Module) -> dict[str, list[torch.Tenso
     return out
 
 
-def measure_fsdp1_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Any) -> dict[str, Any]:
-    """Run ``step()`` under the tracker; the peak and its categories, as the worker reports them."""
-    with StepMemory(model, optimizer, fsdp1_resized_storages(model)) as tracker:
+def measure_fsdp1_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Any, log: "AllocationLog | None" = None
+) -> dict[str, Any]:
+    """Run ``step()`` under the tracker; the peak and its categories, as the worker reports them;
+    with ``log``, every storage allocated and freed, in order."""
+    with StepMemory(model, optimizer, fsdp1_resized_storages(model), log) as tracker:
         step()
     out: dict[str, Any] = {"total": tracker.peak, **tracker.at_peak}
     out["raw"] = dict(tracker.at_peak)
