@@ -294,12 +294,19 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         owner = next(s.unit for s in segs if s.block == block)
         return unit not in (ROOT, owner)
 
+    def _recompute_hooks_run(self, i: int) -> bool:
+        """The recompute runs segment ``i``'s unit's forward hooks: it is nested in the block and
+        its pre-backward has not run yet (``_pre_forward`` returns at once for a handle in
+        ``BACKWARD_PRE``: the block's last unit, whose output's gradient arrives before the first
+        saved tensor is unpacked, keeps what its pre-backward gathered)."""
+        return self._wrapped_in_checkpoint(i) and self.cfg.segments[i].unit not in self.mb.pre_backward_done
+
     def _before_recompute(self, i: int, mb: int) -> None:
         """A nested unit's ``_pre_forward`` in the recompute: it all-gathers again what its
         forward resharded (measured: 29 all-gathers in a real FSDP1 step of 2 checkpointed blocks
         with 4 adapter units each, against 21 without the recompute's)."""
         unit = self.cfg.segments[i].unit
-        if not self._wrapped_in_checkpoint(i) or i != self.layout.first_seg[unit]:
+        if not self._recompute_hooks_run(i) or i != self.layout.first_seg[unit]:
             return
         self.host(f"fsdp1 pre-forward {unit} (recompute)", unit, mb, self.cfg.costs.fsdp_forward_host_s)
         self._unshard(unit)
@@ -309,7 +316,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         """The nested unit's ``_post_forward`` in the recompute: resharded again (FULL_SHARD),
         its pre-backward unshards it once more."""
         unit = self.cfg.segments[i].unit
-        if not self._wrapped_in_checkpoint(i) or i != self.layout.last_seg[unit]:
+        if not self._recompute_hooks_run(i) or i != self.layout.last_seg[unit]:
             return
         self._reshard(unit, free=self.sharded and self.cfg.strategy.reshards_after_forward, after=op)
         self.mb.needs_pre_backward.add(unit)
