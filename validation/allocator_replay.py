@@ -136,9 +136,9 @@ def main(argv: list[str]) -> int:
         from sim.hardware.registry import load_profile
         from sim.outputs.report import build_report
         from sim.simulate import simulate
-        from validation.legacy_transformers import _load
+        from validation.legacy_transformers import load_scenario_or_row
 
-        scenario = _load(args.scenario, args.memory_row, args.overrides)
+        scenario = load_scenario_or_row(args.scenario, args.memory_row, args.overrides)
         report = build_report(simulate(scenario))
         if args.site:
             if "transformers" in sys.modules:

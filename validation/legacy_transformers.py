@@ -100,7 +100,7 @@ def measure(scenario: Scenario) -> dict[str, Any]:
 
 
 def _scenario(path: str | None, row: int | None, overrides: list[str]) -> Scenario:
-    scenario = _load(path, row, overrides)
+    scenario = load_scenario_or_row(path, row, overrides)
     # the old Llama has one attention (eager) and one cache (tuples): the scenario must say so
     if scenario.training.attention is not AttentionImpl.EAGER:
         raise UserError(
@@ -113,7 +113,8 @@ def _scenario(path: str | None, row: int | None, overrides: list[str]) -> Scenar
     return scenario
 
 
-def _load(path: str | None, row: int | None, overrides: list[str]) -> Scenario:
+def load_scenario_or_row(path: str | None, row: int | None, overrides: list[str]) -> Scenario:
+    """A scenario file, or row ``row`` of the published memory runs (``--memory-row``)."""
     if (path is None) == (row is None):
         raise UserError("validation.legacy_transformers: give a SCENARIO or --memory-row N, not both")
     if path is not None:
