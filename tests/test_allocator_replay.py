@@ -51,23 +51,9 @@ def test_a_real_fsdp1_step_is_logged_whole(tmp_path: Path) -> None:
         '[precision]\nparam_dtype = "fp32"\nreduce_dtype = "fp32"\n'
         '[finetune]\nmethod = "lora"\nrank = 8\nalpha = 16\ntarget_modules = ["q_proj", "v_proj"]\n'
     )
-    scenario = load_scenario(path)
-    import validation.fake_memory as fake_memory
-
-    measured: dict = {}
-    original = fake_memory._fsdp1_step
-
-    def keep(trainer):  # type: ignore[no-untyped-def]
-        measured.update(original(trainer))
-        return measured
-
-    fake_memory._fsdp1_step = keep
-    try:
-        log, start = logged_step(scenario, legacy=False)
-    finally:
-        fake_memory._fsdp1_step = original
-    streams = {stream for kind, _, _, stream in log.events[start:] if kind == "alloc"}
+    log, measured = logged_step(load_scenario(path), legacy=False)
+    streams = {stream for kind, _, _, stream in log.events[log.step_start :] if kind == "alloc"}
     assert streams == {"compute", "all_gather", "reduce_scatter"}
-    out = replay(log.events, start, capacity_bytes=BIG, workspace_bytes=0, steps=1)
+    out = replay(log.events, log.step_start, capacity_bytes=BIG, workspace_bytes=0, steps=1)
     assert out["peak_allocated_bytes"] == measured["total"]
     assert out["peak_reserved_bytes"] >= out["peak_allocated_bytes"]

@@ -93,36 +93,24 @@ def _reduction_stream(log: Any) -> Iterator[None]:
         runtime._reduce_grad = original
 
 
-def logged_step(scenario: Any, legacy: bool) -> tuple[Any, int]:
-    """The allocation log of one tracked FSDP1 step of ``scenario`` and where its step begins."""
-    import validation.fake_memory as fake_memory
-    import validation.step_memory as step_memory
+def logged_step(scenario: Any, legacy: bool) -> tuple[Any, dict[str, Any]]:
+    """The allocation log of one tracked FSDP1 step of ``scenario`` (its ``step_start`` where the
+    step begins) and the fake-mode measurement it was taken in."""
+    from validation.step_memory import AllocationLog
 
     if scenario.parallel.fsdp_version != 1:
         raise UserError(f"{scenario.source}: validation.allocator_replay logs FSDP1 steps only")
-    log = step_memory.AllocationLog()
-    starts: list[int] = []
-    measure = step_memory.measure_fsdp1_step
-
-    def logged(model: Any, optimizer: Any, step: Any, _log: Any = None) -> dict[str, Any]:
-        def marked() -> None:
-            starts.append(len(log.events))
-            step()
-
-        with _reduction_stream(log):
-            return measure(model, optimizer, marked, log)
-
-    step_memory.measure_fsdp1_step = logged  # type: ignore[assignment]
-    try:
+    log = AllocationLog()
+    with _reduction_stream(log):
         if legacy:
-            from validation.legacy_transformers import measure as legacy_measure
+            from validation.legacy_transformers import measure
 
-            legacy_measure(scenario)
+            measured = measure(scenario, log=log)
         else:
-            fake_memory.measure_fake_memory(scenario)
-    finally:
-        step_memory.measure_fsdp1_step = measure
-    return log, starts[0]
+            from validation.fake_memory import measure_fake_memory
+
+            measured = measure_fake_memory(scenario, log=log)
+    return log, measured
 
 
 def main(argv: list[str]) -> int:
@@ -136,15 +124,13 @@ def main(argv: list[str]) -> int:
         from sim.hardware.registry import load_profile
         from sim.outputs.report import build_report
         from sim.simulate import simulate
-        from validation.legacy_transformers import load_scenario_or_row
+        from validation.legacy_transformers import load_scenario_or_row, use_site
 
         scenario = load_scenario_or_row(args.scenario, args.memory_row, args.overrides)
         report = build_report(simulate(scenario))
         if args.site:
-            if "transformers" in sys.modules:
-                raise UserError("validation.allocator_replay: transformers was imported before --site")
-            sys.path.insert(0, args.site)
-        log, start = logged_step(scenario, legacy=bool(args.site))
+            use_site(args.site)
+        log, _ = logged_step(scenario, legacy=bool(args.site))
         device = load_profile(scenario.cluster.profile).device
         workspace = device.cublas_workspace_bytes or 0
         out: dict[str, Any] = {
@@ -157,7 +143,11 @@ def main(argv: list[str]) -> int:
         }
         for steps in (1, 2):
             out[f"replay_{steps}_step"] = replay(
-                log.events, start, capacity_bytes=device.memory_bytes, workspace_bytes=workspace, steps=steps
+                log.events,
+                log.step_start,
+                capacity_bytes=device.memory_bytes,
+                workspace_bytes=workspace,
+                steps=steps,
             )
         print(json.dumps(out, indent=1))
     except UserError as e:

@@ -47,6 +47,7 @@ from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.workload.options import FinetuneMethod, Strategy
 from validation.build import build_scenario_model, wrap
+from validation.step_memory import AllocationLog
 from validation.tracker_hooks import module_tracking_holds_no_gradients
 from validation.worker import TRACKER_CATEGORIES, Trainer, _mesh
 
@@ -264,7 +265,9 @@ def _uses_real_tensors(scenario: Scenario) -> bool:
     return scenario.finetune.method is FinetuneMethod.QLORA
 
 
-def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, Any]:
+def measure_fake_memory(
+    scenario: Scenario, detail: bool = False, log: AllocationLog | None = None
+) -> dict[str, Any]:
     """Peak bytes of rank 0 in one tracked FSDP2 step at ``parallel.world_size`` ranks, by category.
 
     QLoRA runs on real tensors under the same fake process group (a small model only), and the
@@ -296,7 +299,7 @@ def measure_fake_memory(scenario: Scenario, detail: bool = False) -> dict[str, A
                 with KernelRecorder() as recorder:
                     trainer.step(0)  # untracked: creates the optimizer state
                 if scenario.parallel.fsdp_version == 1:
-                    measured, where = _fsdp1_step(trainer), {"tracker": "validation.step_memory"}
+                    measured, where = _fsdp1_step(trainer, log), {"tracker": "validation.step_memory"}
                 else:
                     measured, where = _fsdp2_step(trainer, detail)
     finally:
@@ -383,12 +386,13 @@ def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dic
     return {"total": raw.get("Total", 0), **categories(raw), "raw": raw}, tracker.peak_where
 
 
-def _fsdp1_step(trainer: FakeTrainer) -> dict[str, Any]:
-    """FSDP1 under the fake group: the storage-level tracker the real FSDP1 runs use."""
+def _fsdp1_step(trainer: FakeTrainer, log: AllocationLog | None = None) -> dict[str, Any]:
+    """FSDP1 under the fake group: the storage-level tracker the real FSDP1 runs use (with ``log``,
+    every storage it allocates and frees, ``validation.allocator_replay``)."""
     from hfmodel.finetune import quant_state_bytes
     from validation.step_memory import measure_fsdp1_step
 
-    measured = measure_fsdp1_step(trainer.model, trainer.optimizer, lambda: _tracked_steps(trainer))
+    measured = measure_fsdp1_step(trainer.model, trainer.optimizer, lambda: _tracked_steps(trainer), log)
     quant = quant_state_bytes(trainer.model)  # QLoRA's: module attributes, not parameters or buffers
     if quant:  # allocated before the step and held through it, as in the FSDP2 run
         measured["total"] += quant

@@ -86,14 +86,15 @@ def _no_mask_patch(model: Any) -> Iterator[None]:
     yield
 
 
-def measure(scenario: Scenario) -> dict[str, Any]:
+def measure(scenario: Scenario, log: Any = None) -> dict[str, Any]:
+    """``measure_fake_memory`` on the old code; ``log``: its ``AllocationLog`` (FSDP1)."""
     import transformers
 
     import validation.fake_memory as fake_memory
 
     fake_memory.build_scenario_model = build_legacy_llama
     fake_memory.one_sequence_per_row = _no_mask_patch
-    result = fake_memory.measure_fake_memory(scenario)
+    result = fake_memory.measure_fake_memory(scenario, log=log)
     import peft
 
     return {**result, "versions": {"transformers": transformers.__version__, "peft": peft.__version__}}
@@ -111,6 +112,13 @@ def _scenario(path: str | None, row: int | None, overrides: list[str]) -> Scenar
             f'{scenario.source}: the old Llama\'s cache is per-layer tuples: set model.output_format = "legacy"'
         )
     return scenario
+
+
+def use_site(site: str) -> None:
+    """Put ``site``'s old packages first on ``sys.path``, before anything imports transformers."""
+    if "transformers" in sys.modules:
+        raise UserError(f"transformers was imported before --site {site} was added")
+    sys.path.insert(0, site)
 
 
 def load_scenario_or_row(path: str | None, row: int | None, overrides: list[str]) -> Scenario:
@@ -138,11 +146,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         scenario = _scenario(args.scenario, args.memory_row, args.overrides)
-        if "transformers" in sys.modules:
-            raise UserError(
-                "validation.legacy_transformers: transformers was imported before --site was added"
-            )
-        sys.path.insert(0, args.site)
+        use_site(args.site)
         print(json.dumps(measure(scenario), default=str))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -69,9 +69,8 @@ def validate_one(
 ) -> Validation:
     """Run for real, simulate with a calibrated profile, and compare."""
     overrides = [*overrides, f"parallel.world_size={nproc}"]
-    check_runs_here(
-        load_scenario(scenario_path, overrides)
-    )  # a user mistake fails here, before anything runs
+    scenario = load_scenario(scenario_path, overrides)  # a user mistake fails here, before anything runs
+    check_runs_here(scenario)
     with tempfile.TemporaryDirectory(prefix="fsdpsim-profile-") as tmp:
         if profile is None or load_profile(profile).compute is None:
             profile = calibrated_profile(scenario_path, overrides, nproc, Path(tmp), profile)

@@ -32,10 +32,12 @@ class AllocationLog:
     """The storages a tracked step allocates and frees, in order, with the stream the CUDA caching
     allocator would serve each from (FSDP1: the unsharded flat parameters on its unshard stream,
     what ``_reduce_grad`` makes on its post-backward stream, the rest on the compute stream):
-    ``events`` holds ("alloc", key, bytes, stream) and ("free", key, 0, "")."""
+    ``events`` holds ("alloc", key, bytes, stream) and ("free", key, 0, ""); those before
+    ``step_start`` are what lived when the tracked step began."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, int, int, str]] = []
+        self.step_start = 0
         self.stream = "compute"  # set by whoever wraps FSDP1's reduction
 
     def alloc(self, key: int, nbytes: int, *, resized: bool = False) -> None:
@@ -65,10 +67,13 @@ class StepMemory(TorchDispatchMode):
         }
         self._start(model, optimizer, resized)
         self._stepping: bool | None = None  # None: the optimizer step is not observable
+        self._hooks: list[Any] = []  # removed on exit: one optimizer outlives many trackers
         if isinstance(optimizer, torch.optim.Optimizer):
             self._stepping = False
-            optimizer.register_step_pre_hook(lambda *_: self._set_stepping(True))
-            optimizer.register_step_post_hook(lambda *_: self._set_stepping(False))
+            self._hooks = [
+                optimizer.register_step_pre_hook(lambda *_: self._set_stepping(True)),
+                optimizer.register_step_post_hook(lambda *_: self._set_stepping(False)),
+            ]
         self.peak = 0
         self.at_peak: dict[str, int] = {}
         self._orig_resize: Any = None
@@ -134,7 +139,8 @@ class StepMemory(TorchDispatchMode):
             old = self._live[ref.cdata]
             self._live[ref.cdata] = (old[0], storage.nbytes(), old[2])
             if self._log is not None and storage.nbytes() != old[1]:  # FSDP1's in-place alloc or free
-                self._log.free(ref.cdata)
+                if old[1]:
+                    self._log.free(ref.cdata)
                 if storage.nbytes():
                     self._log.alloc(ref.cdata, storage.nbytes(), resized=True)
         self._update()
@@ -147,10 +153,14 @@ class StepMemory(TorchDispatchMode):
             tracker._resize(storage, size)
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+        if self._log is not None:
+            self._log.step_start = len(self._log.events)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        for hook in self._hooks:
+            hook.remove()
         super().__exit__(*exc)
 
 

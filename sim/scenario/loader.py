@@ -444,11 +444,6 @@ def _check_fsdp1_lora(s: Scenario, where: str) -> None:
             raise UserError(
                 f"{where}: FSDP1 cannot flatten {label}: its parameters are {' and '.join(dtypes)} "
                 "(FSDP1 flattens only tensors of one dtype)"
-                + (
-                    f'; set finetune.quant_storage = "{s.param_dtype}" (FSDP-QLoRA\'s bnb_4bit_quant_storage)'
-                    if any(p.quantized_numel for p in unit.params)
-                    else ""
-                )
             )
 
 
@@ -471,17 +466,19 @@ def _check_finetune(f: FinetuneSection, param_dtype: str, fsdp_version: int, whe
             raise UserError(
                 f"{where}: finetune.quant_storage = {f.quant_storage!r} is not allowed; allowed: {', '.join(storage)}"
             )
-        if name in FLOAT_DTYPES and name != canonical_dtype(param_dtype):
+        compute = canonical_dtype(param_dtype)
+        if name in FLOAT_DTYPES and name != compute:
             raise UserError(
                 f"{where}: finetune.quant_storage = {name!r} differs from precision.param_dtype = "
                 f"{param_dtype!r}: FSDP2 would cast the packed 4-bit weights; use {param_dtype!r} or 'uint8'"
             )
-        if fsdp_version == 1 and name != canonical_dtype(param_dtype):
-            # a block's FlatParameter holds its packed weights with its norms, stored in param_dtype
+        if fsdp_version == 1 and name != compute:
+            # a block's FlatParameter holds its packed weights with its norms, stored in param_dtype;
+            # checked here, before the model is described, so _check_fsdp1_lora never meets it
             raise UserError(
                 f"{where}: FSDP1 cannot flatten the packed 4-bit weights ({name}) with the blocks' "
-                f"{canonical_dtype(param_dtype)} norms (FSDP1 flattens only tensors of one dtype); "
-                f'set finetune.quant_storage = "{canonical_dtype(param_dtype)}" (FSDP-QLoRA\'s bnb_4bit_quant_storage)'
+                f"{compute} norms (FSDP1 flattens only tensors of one dtype); "
+                f'set finetune.quant_storage = "{compute}" (FSDP-QLoRA\'s bnb_4bit_quant_storage)'
             )
 
 

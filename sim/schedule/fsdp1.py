@@ -89,6 +89,10 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         self.reductions: list[int] = []
         self.offloaded_grads: list[str] = []  # CPUOffload: device _saved_grad_shard, freed after backward
         self.mb = Microbatch(index=0)
+        # each block's own unit: the owner of its first segment (the root's under ``linear`` wrap)
+        self.block_owner: dict[int | None, str] = {}
+        for seg in cfg.segments:
+            self.block_owner.setdefault(seg.block, seg.unit)
 
     def build(self) -> Program:
         units = [u.name for u in self.cfg.units]
@@ -289,10 +293,8 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         ``linear`` wrap's units): ``apply_activation_checkpointing`` wraps the decoder layer inside
         its own ``FullyShardedDataParallel``, so the recompute runs the hooks of the units nested in
         it, not those of the block's unit (the owner of its first segment) or the root."""
-        segs = self.cfg.segments
-        unit, block = segs[i].unit, segs[i].block
-        owner = next(s.unit for s in segs if s.block == block)
-        return unit not in (ROOT, owner)
+        seg = self.cfg.segments[i]
+        return seg.unit not in (ROOT, self.block_owner[seg.block])
 
     def _recompute_hooks_run(self, i: int) -> bool:
         """The recompute runs segment ``i``'s unit's forward hooks: it is nested in the block and
