@@ -47,7 +47,9 @@ def _worker() -> None:
     for _ in range(ROUNDS):
         for n in SIZES_FP32:
             for burst in (False, True):
-                medians.setdefault((n, burst), []).append(statistics.median(one(n, burst) for _ in range(REPS)))
+                medians.setdefault((n, burst), []).append(
+                    statistics.median(one(n, burst) for _ in range(REPS))
+                )
     for (n, burst), rounds in sorted(medians.items()):
         value = torch.tensor([statistics.median(rounds)])
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
