@@ -17,7 +17,6 @@ from sim.outputs.report import build_report
 from sim.scenario.loader import load_scenario
 from sim.simulate import SimResult, simulate
 from sim.workload.options import Strategy
-from validation.build_fsdp1 import check_runs_here
 from validation.compare import Comparison, compare
 from validation.launch import run_real
 
@@ -68,6 +67,8 @@ def validate_one(
     timeout_s: float,
 ) -> Validation:
     """Run for real, simulate with a calibrated profile, and compare."""
+    from validation.build_fsdp1 import check_runs_here  # torch: only when something runs
+
     overrides = [*overrides, f"parallel.world_size={nproc}"]
     scenario = load_scenario(scenario_path, overrides)  # a user mistake fails here, before anything runs
     check_runs_here(scenario)
