@@ -1,5 +1,7 @@
 """The engine on hand-written programs: exact times for streams, rendezvous and interference."""
 
+from dataclasses import replace
+
 import pytest
 
 from sim.core.engine import Variability, run_program
@@ -97,6 +99,17 @@ def test_ledger_records_allocs_at_start_and_frees_at_end():
         (0.0, 8, "act"),
         (11.0, -8, "act"),
     ]
+
+
+def test_an_allocation_names_the_stream_of_the_op_that_makes_it():
+    """The caching allocator serves each stream from its own pools: the reserved-memory replay
+    needs every allocation's stream (the all-gather's output is not the compute stream's)."""
+    p = _program()
+    p.ops[1] = replace(p.ops[1], allocs=(Alloc(label="out", category=MemoryCategory.COMM_BUFFERS, bytes=4),))
+    for serial in (False, True):
+        table = run_program(p, TWO_RANKS, Variability(), serial=serial)
+        allocs = {m.label: m.stream for m in table.memory_of(0) if m.delta_bytes > 0}
+        assert allocs == {"act": Stream.COMPUTE, "out": Stream.ALL_GATHER}
 
 
 def test_freeing_an_unknown_buffer_is_a_bug_not_a_silent_no_op():

@@ -91,10 +91,12 @@ CASES = {
 
 
 def _by_instant(records):  # type: ignore[no-untyped-def]
-    """Memory entries grouped by their time (rounded to 1e-12 s), each group sorted."""
-    groups: dict[float, list[tuple[str, str, int]]] = {}
+    """Memory entries grouped by their time (rounded to 1e-12 s), each group sorted; an
+    allocation with the stream whose pool serves it."""
+    groups: dict[float, list[tuple[str, str, int, str]]] = {}
     for m in records:
-        groups.setdefault(round(m.time_s, 12), []).append((m.label, str(m.category), m.delta_bytes))
+        stream = m.stream.value if m.delta_bytes > 0 else ""
+        groups.setdefault(round(m.time_s, 12), []).append((m.label, str(m.category), m.delta_bytes, stream))
     return {t: sorted(g) for t, g in groups.items()}
 
 

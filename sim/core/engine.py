@@ -247,7 +247,12 @@ class Engine:
         if nbytes > 0:
             self.memory.append(
                 MemoryRecord(
-                    rank=rank, time_s=self.env.now, category=category, delta_bytes=nbytes, label=label
+                    rank=rank,
+                    time_s=self.env.now,
+                    category=category,
+                    delta_bytes=nbytes,
+                    label=label,
+                    stream=stream,
                 )
             )
 
