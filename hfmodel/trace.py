@@ -22,6 +22,9 @@ forward is running), or by the attention probe (``hfmodel.probe``). For each op:
 - ``checkpointed_forward_bytes`` (block ops): the most alive during the op of what its block's
   ops created, were the block checkpointed: a storage autograd saves then lives only to its last
   use in the forward, the others as they did (each through the step of its last use).
+Each byte figure has its tensors beside it (``*_pieces``, storage sizes in the order they were
+created: the saved storages; for a peak, those alive at its step), which the caching allocator's
+replay serves one by one as the program does.
 """
 
 from collections.abc import Callable
@@ -66,6 +69,11 @@ class OpRecord:
     backward_transient_bytes: int = 0
     host_ops: int = 0
     checkpointed_forward_bytes: int = 0
+    # the storages that make up each figure (see the module docstring)
+    saved_pieces: list[int] = field(default_factory=list)
+    forward_transient_pieces: tuple[int, ...] = ()
+    backward_transient_pieces: tuple[int, ...] = ()
+    checkpointed_forward_pieces: tuple[int, ...] = ()
     gemms: list[tuple[int, int, int, int]] = field(default_factory=list)
     aten_ops: list[int] = field(default_factory=list)  # global forward op indices
     backward_ops: list[int] = field(default_factory=list)
@@ -324,16 +332,31 @@ class SavedBytes:
         return t
 
 
-def peak_per_op(events: list[tuple[int, int]], windows: dict[int, list[int]], steps: int) -> dict[int, int]:
-    """For each op, the most alive at any of its steps, given (step, +/-bytes) events."""
+def peak_sets_per_op(
+    lives: list[tuple[int, int, int]], windows: dict[int, list[int]], steps: int
+) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """For each op, the most alive at any of its steps and the storages that make it up (their
+    sizes in creation order), given each storage's (created, end, bytes): alive at the steps
+    ``created <= step < end`` (steps past the last count as the last + 1)."""
+    last = steps + 1
     delta = [0] * (steps + 2)
-    for step, nbytes in events:
-        delta[min(step, steps + 1)] += nbytes
+    for created, end, nbytes in lives:
+        delta[min(created, last)] += nbytes
+        delta[min(end, last)] -= nbytes
     alive, running = [0] * (steps + 2), 0
     for i, d in enumerate(delta):
         running += d
         alive[i] = running
-    return {op: max((alive[s] for s in window), default=0) for op, window in windows.items()}
+    ordered = sorted(lives, key=lambda life: life[0])
+    out: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for op, window in windows.items():
+        if not window:
+            out[op] = (0, ())
+            continue
+        at = max(window, key=lambda s: alive[s])
+        pieces = tuple(n for c, e, n in ordered if n > 0 and min(c, last) <= at < min(e, last))
+        out[op] = (alive[at], pieces)
+    return out
 
 
 def _backward_lives(tracer: Tracer, param_grad_keys: set[int]) -> list[tuple[int, int, int]]:
@@ -375,23 +398,23 @@ def finish(
     ``block_of`` (the block an op runs in) also each block op's ``checkpointed_forward_bytes``."""
     tracer._sweep()
     steps = tracer.step
-    forward_events = []
+    forward_lives = []
     for uid, nbytes, created, died, op, in_backward, _ in tracer.storages:
         if in_backward:
             continue
         if uid in tracer.saved:
             tracer.ops[op].saved_bytes += nbytes
             tracer.ops[op].saved_by.append((nbytes, frozenset(tracer.savers.get(uid, ()))))
+            if nbytes > 0:
+                tracer.ops[op].saved_pieces.append(nbytes)
         else:
-            forward_events += [(created, nbytes), (steps + 1 if died is None else died, -nbytes)]
-    backward_events = [
-        e for n, c, end in _backward_lives(tracer, param_grad_keys) for e in ((c, n), (end, -n))
-    ]
-    fwd = peak_per_op(forward_events, {o.index: o.aten_ops for o in tracer.ops}, steps)
-    bwd = peak_per_op(backward_events, {o.index: o.backward_ops for o in tracer.ops}, steps)
+            forward_lives.append((created, steps + 1 if died is None else died, nbytes))
+    backward_lives = [(c, end, n) for n, c, end in _backward_lives(tracer, param_grad_keys)]
+    fwd = peak_sets_per_op(forward_lives, {o.index: o.aten_ops for o in tracer.ops}, steps)
+    bwd = peak_sets_per_op(backward_lives, {o.index: o.backward_ops for o in tracer.ops}, steps)
     for o in tracer.ops:
-        o.forward_transient_bytes = fwd[o.index]
-        o.backward_transient_bytes = bwd[o.index]
+        o.forward_transient_bytes, o.forward_transient_pieces = fwd[o.index]
+        o.backward_transient_bytes, o.backward_transient_pieces = bwd[o.index]
     if block_of is not None:
         _checkpointed_forward(tracer, block_of)
 
@@ -410,7 +433,7 @@ def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | N
         for i in range(len(parts) + 1):
             prefix = ".".join(parts[:i])
             module_end[prefix] = max(module_end.get(prefix, 0), max(o.aten_ops, default=0))
-    events: dict[int, list[tuple[int, int]]] = {}
+    lives: dict[int, list[tuple[int, int, int]]] = {}
     for uid, nbytes, created, died, op, in_backward, last_use in tracer.storages:
         block = blocks[op]
         if in_backward or block is None:
@@ -422,9 +445,9 @@ def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | N
             last = _held_until(tracer.ops[op].owner, step_op.get(last_use), last_use, module_end)
         else:
             last = tracer.step + 1 if died is None else died
-        end = last + 1
-        events.setdefault(block, []).extend([(created, nbytes), (end, -nbytes)])
-    for block, block_events in events.items():
+        lives.setdefault(block, []).append((created, last + 1, nbytes))
+    for block, block_lives in lives.items():
         windows = {o.index: o.aten_ops for o in tracer.ops if blocks[o.index] == block}
-        for index, peak in peak_per_op(block_events, windows, tracer.step).items():
-            tracer.ops[index].checkpointed_forward_bytes = peak
+        for index, figure in peak_sets_per_op(block_lives, windows, tracer.step).items():
+            o = tracer.ops[index]
+            o.checkpointed_forward_bytes, o.checkpointed_forward_pieces = figure

@@ -130,3 +130,54 @@ def test_reserved_curve_covers_the_allocated_bytes_at_every_record():
     assert curve.peak_bytes() == peak_reserved_bytes(table, 0, capacity)
     grown = reserved_curve(table, 0, capacity, expandable=True).reserved_bytes
     assert all(b >= a for a, b in zip(grown, grown[1:], strict=False))
+
+
+def _table(*records: tuple[int, str, tuple[int, ...]]):  # type: ignore[no-untyped-def]
+    from sim.core.events import EventTable, MemoryCategory, MemoryRecord
+
+    memory = tuple(
+        MemoryRecord(
+            rank=0, time_s=float(i), category=MemoryCategory.ACTIVATIONS, delta_bytes=d, label=label, pieces=p
+        )
+        for i, (d, label, p) in enumerate(records)
+    )
+    return EventTable(world_size=1, simulated_ranks=(0,), ops=(), memory=memory)
+
+
+def test_a_buffer_of_several_tensors_is_served_tensor_by_tensor() -> None:
+    """A 24 MiB buffer freed leaves a 24 MiB hole; the same bytes as two 12 MiB tensors fill two
+    freed 12 MiB blocks of other segments, where one 24 MiB request needs a segment of its own."""
+    from sim.outputs.allocator import peak_reserved_bytes
+
+    holes = [
+        (12 * MIB, "a", ()),
+        (12 * MIB, "b", ()),
+        (12 * MIB, "keep", ()),
+        (-12 * MIB, "a", ()),
+        (-12 * MIB, "b", ()),
+    ]
+    # each 12 MiB request gets a segment of its own: a and b freed leave two 12 MiB holes
+    lumped = _table(*holes, (24 * MIB, "acts", ()))
+    pieces = _table(*holes, (24 * MIB, "acts", (12 * MIB, 12 * MIB)))
+    assert peak_reserved_bytes(lumped, 0, BIG) == 36 * MIB + 24 * MIB
+    assert peak_reserved_bytes(pieces, 0, BIG) == 36 * MIB
+    # freed together, the pieces' blocks are free again: a later 12 MiB request reserves nothing
+    after = _table(
+        *holes, (24 * MIB, "acts", (12 * MIB, 12 * MIB)), (-24 * MIB, "acts", ()), (12 * MIB, "c", ())
+    )
+    assert peak_reserved_bytes(after, 0, BIG) == 36 * MIB
+    # with expandable segments each piece takes its own pool: two 600 KiB tensors fit one 2 MiB
+    # page of the small pool, where one 1,200 KiB request is the large pool's (20 MiB pages)
+    small = _table((1200 * 1024, "x", (600 * 1024, 600 * 1024)))
+    whole = _table((1200 * 1024, "x", ()))
+    assert peak_reserved_bytes(small, 0, BIG, expandable=True) == 2 * MIB
+    assert peak_reserved_bytes(whole, 0, BIG, expandable=True) == 20 * MIB
+
+
+def test_pieces_must_sum_to_the_buffer() -> None:
+    from sim.core.events import MemoryCategory
+    from sim.core.program import Alloc
+
+    Alloc(label="ok", category=MemoryCategory.OTHER, bytes=10, pieces=(4, 6))
+    with pytest.raises(ValueError, match="pieces sum to 9"):
+        Alloc(label="bad", category=MemoryCategory.OTHER, bytes=10, pieces=(4, 5))

@@ -16,7 +16,7 @@ import simpy
 from sim.core import vector_engine
 from sim.core.events import EventTable, MemoryCategory, MemoryRecord, OpKind, OpRecord, Stream
 from sim.core.links import Flow, SharedLinks
-from sim.core.program import Program, ProgramOp
+from sim.core.program import Alloc, Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
 
 COMPUTE_KINDS = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.RECOMPUTE, OpKind.OPTIMIZER})
@@ -133,7 +133,7 @@ class Engine:
     def run(self) -> EventTable:
         for rank in self.ranks:
             for alloc in self.program.initial:
-                self._alloc(rank, alloc.label, alloc.category, alloc.bytes, Stream.COMPUTE)
+                self._alloc(rank, alloc, Stream.COMPUTE)
             for ops in self._queues():
                 self.env.process(self._stream(rank, ops))
         self.env.run()
@@ -164,7 +164,7 @@ class Engine:
             for label in op.start_frees:
                 self._free(rank, label)
             for alloc in op.allocs:
-                self._alloc(rank, alloc.label, alloc.category, alloc.bytes, op.stream)
+                self._alloc(rank, alloc, op.stream)
             duration = self.duration(rank, op)
             if op.group is not None:
                 gid, simulated_members, group_size = self._group(op.group, rank)
@@ -186,7 +186,7 @@ class Engine:
             for label in op.frees:
                 self._free(rank, label)
             for alloc in op.end_allocs:
-                self._alloc(rank, alloc.label, alloc.category, alloc.bytes, op.stream)
+                self._alloc(rank, alloc, op.stream)
             self.ops.append(
                 OpRecord(
                     rank=rank,
@@ -240,7 +240,8 @@ class Engine:
             if process is not None and process.is_alive:
                 process.interrupt()  # its rate changes: it recomputes its remaining time
 
-    def _alloc(self, rank: int, label: str, category: MemoryCategory, nbytes: int, stream: Stream) -> None:
+    def _alloc(self, rank: int, alloc: Alloc, stream: Stream) -> None:
+        label, category, nbytes = alloc.label, alloc.category, alloc.bytes
         if label in self.live[rank]:
             raise RuntimeError(f"buffer {label!r} allocated twice on rank {rank}")
         self.live[rank][label] = (category, nbytes)
@@ -253,6 +254,7 @@ class Engine:
                     delta_bytes=nbytes,
                     label=label,
                     stream=stream,
+                    pieces=alloc.pieces,
                 )
             )
 

@@ -98,6 +98,7 @@ class MemoryRecord:
     delta_bytes: int
     label: str
     stream: Stream = Stream.COMPUTE
+    pieces: tuple[int, ...] = ()  # an allocation's tensors (``sim.core.program.Alloc.pieces``)
 
 
 class _Ranked(Protocol):

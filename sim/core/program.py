@@ -12,9 +12,19 @@ from sim.core.topology import GroupKind
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Alloc:
+    """One labelled buffer. ``pieces``: the tensors it stands for, in the order the program
+    allocates them, where known (they sum to ``bytes``); empty: one tensor. The allocated-memory
+    curve sees only ``bytes``; the caching allocator's replay serves each piece as its own
+    request, as the real program's tensor-by-tensor allocations are served."""
+
     label: str
     category: MemoryCategory
     bytes: int
+    pieces: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.pieces and sum(self.pieces) != self.bytes:
+            raise ValueError(f"buffer {self.label!r}: pieces sum to {sum(self.pieces)}, not {self.bytes}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -34,7 +34,7 @@ from sim.core.events import (
     Stream,
 )
 from sim.core.links import Flow, link_classes, max_min_rates
-from sim.core.program import Program, ProgramOp
+from sim.core.program import Alloc, Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
 
 COMPUTE_KINDS = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.RECOMPUTE, OpKind.OPTIMIZER})
@@ -279,25 +279,26 @@ class _Ledger:
     category: tuple[MemoryCategory, ...]
     label: tuple[str, ...]
     stream: tuple[Stream, ...]
-    initial: tuple[tuple[str, MemoryCategory, int], ...]
+    pieces: tuple[tuple[int, ...], ...]  # an allocation's tensors (``Alloc.pieces``)
+    initial: tuple[Alloc, ...]
 
 
 def _ledger(program: Program) -> _Ledger:
     sizes: dict[str, tuple[MemoryCategory, int]] = {a.label: (a.category, a.bytes) for a in program.initial}
-    rows: list[tuple[int, bool, int, MemoryCategory, str, Stream]] = []
+    rows: list[tuple[int, bool, int, MemoryCategory, str, Stream, tuple[int, ...]]] = []
     for op in program.ops:
         for label in op.start_frees:
             category, nbytes = sizes[label]
-            rows.append((op.op_id, False, -nbytes, category, label, op.stream))
+            rows.append((op.op_id, False, -nbytes, category, label, op.stream, ()))
         for a in op.allocs:
             sizes[a.label] = (a.category, a.bytes)
-            rows.append((op.op_id, False, a.bytes, a.category, a.label, op.stream))
+            rows.append((op.op_id, False, a.bytes, a.category, a.label, op.stream, a.pieces))
         for label in op.frees:
             category, nbytes = sizes[label]
-            rows.append((op.op_id, True, -nbytes, category, label, op.stream))
+            rows.append((op.op_id, True, -nbytes, category, label, op.stream, ()))
         for a in op.end_allocs:
             sizes[a.label] = (a.category, a.bytes)
-            rows.append((op.op_id, True, a.bytes, a.category, a.label, op.stream))
+            rows.append((op.op_id, True, a.bytes, a.category, a.label, op.stream, a.pieces))
     rows = [r for r in rows if r[2] != 0]
     return _Ledger(
         op_ids=np.array([r[0] for r in rows], dtype=np.int64),
@@ -306,7 +307,8 @@ def _ledger(program: Program) -> _Ledger:
         category=tuple(r[3] for r in rows),
         label=tuple(r[4] for r in rows),
         stream=tuple(r[5] for r in rows),
-        initial=tuple((a.label, a.category, a.bytes) for a in program.initial if a.bytes > 0),
+        pieces=tuple(r[6] for r in rows),
+        initial=tuple(a for a in program.initial if a.bytes > 0),
     )
 
 
@@ -326,7 +328,7 @@ def _order(times: np.ndarray, ledger: _Ledger) -> np.ndarray:
 
 def _peaks(ledger: _Ledger, solved: _Pass, n_ranks: int) -> np.ndarray:
     """Each rank's largest live total (the initial allocations included)."""
-    base = sum(b for _, _, b in ledger.initial)
+    base = sum(a.bytes for a in ledger.initial)
     peaks = np.empty(n_ranks, dtype=np.int64)
     for lo in range(0, n_ranks, CHUNK_RANKS):
         ranks = np.arange(lo, min(n_ranks, lo + CHUNK_RANKS))
@@ -343,8 +345,16 @@ def _peaks(ledger: _Ledger, solved: _Pass, n_ranks: int) -> np.ndarray:
 
 def _memory_records(ledger: _Ledger, solved: _Pass, rank: int) -> list[MemoryRecord]:
     records = [
-        MemoryRecord(rank=rank, time_s=0.0, category=c, delta_bytes=b, label=label, stream=Stream.COMPUTE)
-        for label, c, b in ledger.initial
+        MemoryRecord(
+            rank=rank,
+            time_s=0.0,
+            category=a.category,
+            delta_bytes=a.bytes,
+            label=a.label,
+            stream=Stream.COMPUTE,
+            pieces=a.pieces,
+        )
+        for a in ledger.initial
     ]
     times = _ledger_times(ledger, solved, np.array([rank]))[0]
     for k in _order(times, ledger):
@@ -356,6 +366,7 @@ def _memory_records(ledger: _Ledger, solved: _Pass, rank: int) -> list[MemoryRec
                 delta_bytes=int(ledger.delta[k]),
                 label=ledger.label[k],
                 stream=ledger.stream[k],
+                pieces=ledger.pieces[k],
             )
         )
     return records

@@ -80,6 +80,9 @@ class GroupScale:
     backward_transient: float = 1.0
 
 
+TRANSIENTS = ("forward_transient", "backward_transient")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SegmentFigures:
     """Everything the schedules need to know about one segment's computation."""
@@ -101,6 +104,20 @@ class SegmentFigures:
     # a checkpointed block's segment: the most its block holds while the segment runs (measured
     # for described models, ``LayerOp.checkpointed_forward_bytes``); None: saved + transient
     checkpointed_forward_bytes: int | None = None
+    # the tensors of the byte figures, in allocation order, where the ops know them (empty: one
+    # block); the caching allocator's replay serves them one by one
+    saved_pieces: tuple[int, ...] = ()
+    forward_transient_pieces: tuple[int, ...] = ()
+    backward_transient_pieces: tuple[int, ...] = ()
+    checkpointed_forward_pieces: tuple[int, ...] = ()
+
+    def tensors(self, figure: str) -> tuple[int, ...]:
+        """One byte figure's tensors: its pieces where they sum to it, else the figure whole."""
+        nbytes = getattr(self, f"{figure}_bytes") or 0
+        pieces = getattr(self, f"{figure}_pieces")
+        if pieces and sum(pieces) == nbytes:
+            return pieces
+        return (nbytes,) if nbytes > 0 else ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,17 +176,26 @@ class ComputeCosts:
 
         saved = [op.saved_bytes * self._scale(op, "saved") for op in seg.ops]
         saved_total = round(sum(saved))
+        measured = all(self._scale(op, q) == 1.0 for op in seg.ops for q in ("saved", *TRANSIENTS))
 
-        def beyond_saved(quantity: str) -> int:
+        def beyond_saved(quantity: str) -> tuple[int, tuple[int, ...]]:
             """The segment's transient, on top of all its saved bytes (which the schedule holds
             for the whole op): ops run one after another, and while op i runs the segment holds
             what ops up to i saved (in backward, what ops after it have not yet released) and
-            op i's transient; the largest such sum, less the segment's saved total."""
-            kept, peak = 0.0, 0.0
+            op i's transient; the largest such sum, less the segment's saved total. Its tensors:
+            those of the op where it peaks, less what later ops' saves already hold."""
+            kept, peak, at = 0.0, 0.0, None
             for op, nbytes in zip(seg.ops, saved, strict=True):
                 kept += nbytes
-                peak = max(peak, kept + getattr(op, f"{quantity}_bytes") * self._scale(op, quantity))
-            return max(0, round(peak) - saved_total)
+                here = kept + getattr(op, f"{quantity}_bytes") * self._scale(op, quantity)
+                if here > peak:
+                    peak, at = here, op
+            nbytes = max(0, round(peak) - saved_total)
+            return nbytes, _trimmed(at.tensors(quantity), nbytes) if measured and at is not None else ()
+
+        forward_transient, forward_pieces = beyond_saved("forward_transient")
+        backward_transient, backward_pieces = beyond_saved("backward_transient")
+        checkpointed = _checkpointed_forward_op(seg.ops)
 
         return SegmentFigures(
             forward_s=total("forward"),
@@ -179,8 +205,8 @@ class ComputeCosts:
             saved_after_block_bytes=round(
                 sum(op.saved_after_block_bytes * self._scale(op, "saved") for op in seg.ops)
             ),
-            forward_transient_bytes=beyond_saved("forward_transient"),
-            backward_transient_bytes=beyond_saved("backward_transient"),
+            forward_transient_bytes=forward_transient,
+            backward_transient_bytes=backward_transient,
             sac_kept_bytes=sum(op.sac_kept_bytes for op in seg.ops),
             sac_recompute_s=sum(
                 self.kernels.sac_recompute_s(op, self.attention_kernel) * self._scale(op, "recompute")
@@ -188,7 +214,15 @@ class ComputeCosts:
             ),
             forward_host_s=sum(op.host_ops for op in seg.ops) * self.host_op_s,
             backward_host_s=2 * sum(op.host_ops for op in seg.ops) * self.host_op_s,
-            checkpointed_forward_bytes=_checkpointed_forward_bytes(seg.ops),
+            checkpointed_forward_bytes=None
+            if checkpointed is None
+            else checkpointed.checkpointed_forward_bytes,
+            saved_pieces=tuple(n for op in seg.ops for n in op.tensors("saved")) if measured else (),
+            forward_transient_pieces=forward_pieces,
+            backward_transient_pieces=backward_pieces,
+            checkpointed_forward_pieces=()
+            if checkpointed is None or not measured
+            else checkpointed.tensors("checkpointed_forward"),
         )
 
     def copy_s(self, nbytes: float) -> float:
@@ -199,13 +233,26 @@ class ComputeCosts:
         return numel * self.optimizer_s_per_element
 
 
-def _checkpointed_forward_bytes(ops: Sequence[LayerOp]) -> int | None:
-    """The most a checkpointed segment's block holds during any of its ops, where every op has
-    the measured figure (each already counts what earlier ops of the block still hold)."""
-    figures = [op.checkpointed_forward_bytes for op in ops]
-    if not figures or any(f is None for f in figures):
+def _checkpointed_forward_op(ops: Sequence[LayerOp]) -> LayerOp | None:
+    """The op during which a checkpointed segment's block holds the most, where every op has the
+    measured figure (each already counts what earlier ops of the block still hold)."""
+    if not ops or any(op.checkpointed_forward_bytes is None for op in ops):
         return None
-    return max(f for f in figures if f is not None)
+    return max(ops, key=lambda op: op.checkpointed_forward_bytes or 0)
+
+
+def _trimmed(pieces: tuple[int, ...], nbytes: int) -> tuple[int, ...]:
+    """``pieces`` made to sum to ``nbytes``: the latest made cut first, or the shortfall added as
+    one tensor more."""
+    out, excess = list(pieces), sum(pieces) - nbytes
+    if excess < 0:
+        return (*out, -excess)
+    while excess > 0 and out:
+        last = out.pop()
+        if last > excess:
+            out.append(last - excess)
+        excess -= min(last, excess)
+    return tuple(out)
 
 
 def _deepspeed_layer(compute: ComputeSection, stage: int | None) -> dict[str, float]:

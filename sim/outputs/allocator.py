@@ -12,6 +12,8 @@ The replay follows the allocator's rules:
   20 MiB for a request under 10 MiB, else the request rounded up to 2 MiB;
 - reserving past the device's memory first releases every fully free cached segment
   (``release_cached_blocks``), as the allocator does before raising out-of-memory.
+A buffer the schedule knows as several tensors (``MemoryRecord.pieces``: a segment's saved
+activations, an op's temporaries) is served tensor by tensor, in order, and freed together.
 With ``expandable_segments`` a pool grows in pages (2 MiB small, 20 MiB large) and gives back
 nothing: the reserved bytes of a pool are its live bytes rounded up to whole pages.
 
@@ -146,24 +148,28 @@ def _page(small: bool) -> int:
     return SMALL_BUFFER if small else LARGE_BUFFER
 
 
+def tensor_sizes(rec: MemoryRecord) -> tuple[int, ...]:
+    """The requests an allocation record makes of the allocator: its pieces, or itself."""
+    return tuple(p for p in rec.pieces if p > 0) if rec.pieces else (rec.delta_bytes,)
+
+
 def expandable_steps(records: list[MemoryRecord]) -> list[int]:
     """Reserved bytes after each record with ``expandable_segments``: each pool's live bytes rounded
     up to its pages, never given back."""
-    streams: dict[str, tuple[Stream, bool, int]] = {}
+    held: dict[str, list[tuple[tuple[Stream, bool], int]]] = {}
     live: dict[tuple[Stream, bool], int] = {}
     reserved: dict[tuple[Stream, bool], int] = {}
     out = []
     for rec in records:
         if rec.delta_bytes > 0:
-            size = round_size(rec.delta_bytes)
-            key = (rec.stream, size <= SMALL_SIZE)
-            streams[rec.label] = (*key, size)
+            changes = [((rec.stream, round_size(n) <= SMALL_SIZE), round_size(n)) for n in tensor_sizes(rec)]
+            held[rec.label] = changes
         else:
-            stream, small, size = streams.pop(rec.label)
-            key, size = (stream, small), -size
-        live[key] = live.get(key, 0) + size
-        page = _page(key[1])
-        reserved[key] = max(reserved.get(key, 0), page * math.ceil(live[key] / page))
+            changes = [(key, -size) for key, size in held.pop(rec.label)]
+        for key, size in changes:
+            live[key] = live.get(key, 0) + size
+            page = _page(key[1])
+            reserved[key] = max(reserved.get(key, 0), page * math.ceil(live[key] / page))
         out.append(sum(reserved.values()))
     return out
 
@@ -199,11 +205,16 @@ def reserved_curve(
         return ReservedCurve(times_s=times, reserved_bytes=tuple(expandable_steps(records)))
     allocator = CachingAllocator(capacity_bytes)
     reserved = []
+    served: dict[str, int] = {}  # label -> the number of tensors it was served as
     for rec in records:
         if rec.delta_bytes > 0:
-            allocator.malloc(rec.label, rec.delta_bytes, rec.stream)
+            sizes = tensor_sizes(rec)
+            served[rec.label] = len(sizes)
+            for k, nbytes in enumerate(sizes):
+                allocator.malloc(f"{rec.label}#{k}", nbytes, rec.stream)
         else:
-            allocator.free(rec.label)
+            for k in range(served.pop(rec.label)):
+                allocator.free(f"{rec.label}#{k}")
         reserved.append(allocator.reserved)
     return ReservedCurve(times_s=times, reserved_bytes=tuple(reserved))
 

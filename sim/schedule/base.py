@@ -274,6 +274,7 @@ class ScheduleBuilder:
             )
         saved = self.label("activations", seg.unit, mb)
         saved_bytes, transient_bytes = fig.saved_bytes, fig.forward_transient_bytes
+        saved_pieces, transient_pieces = fig.tensors("saved"), fig.tensors("forward_transient")
         if (
             self.checkpointed(i)
             and fig.checkpointed_forward_bytes is not None
@@ -282,7 +283,10 @@ class ScheduleBuilder:
             # measured: what the checkpointed block holds while the segment runs (a save lives
             # only to its last forward use), in place of all its saves plus its transient
             saved_bytes, transient_bytes = fig.checkpointed_forward_bytes, 0
-        allocs.append(Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=saved_bytes))
+            saved_pieces, transient_pieces = fig.tensors("checkpointed_forward"), ()
+        allocs.append(
+            Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=saved_bytes, pieces=saved_pieces)
+        )
         if self.checkpointed(i):
             frees.append(saved)
             if fig.saved_after_block_bytes and not self._next_region_checkpointed(i):
@@ -327,7 +331,9 @@ class ScheduleBuilder:
         transient = self.label("forward_temp", seg.unit, mb)
         allocs += [
             *extra_allocs,
-            Alloc(label=transient, category=MemoryCategory.OTHER, bytes=transient_bytes),
+            Alloc(
+                label=transient, category=MemoryCategory.OTHER, bytes=transient_bytes, pieces=transient_pieces
+            ),
         ]
         frees += [transient, *extra_frees]
         return self.compute(
@@ -438,8 +444,18 @@ class ScheduleBuilder:
                 mb,
                 fig.sac_recompute_s if selective else fig.recompute_s,
                 allocs=(
-                    Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=recomputed_bytes),
-                    Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.forward_transient_bytes),
+                    Alloc(
+                        label=saved,
+                        category=MemoryCategory.ACTIVATIONS,
+                        bytes=recomputed_bytes,
+                        pieces=fig.tensors("saved") if recomputed_bytes == fig.saved_bytes else (),
+                    ),
+                    Alloc(
+                        label=transient,
+                        category=MemoryCategory.OTHER,
+                        bytes=fig.forward_transient_bytes,
+                        pieces=fig.tensors("forward_transient"),
+                    ),
                     *extra,
                 ),
                 frees=(transient,),
@@ -505,7 +521,12 @@ class ScheduleBuilder:
             mb,
             fig.backward_s,
             allocs=(
-                Alloc(label=transient, category=MemoryCategory.OTHER, bytes=fig.backward_transient_bytes),
+                Alloc(
+                    label=transient,
+                    category=MemoryCategory.OTHER,
+                    bytes=fig.backward_transient_bytes,
+                    pieces=fig.tensors("backward_transient"),
+                ),
             ),
             frees=tuple(frees),
             end_allocs=end_allocs,

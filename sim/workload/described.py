@@ -22,6 +22,7 @@ from sim.workload.layers import (
     Workload,
     _sac_kept,
     attention_kernel_figures,
+    attention_saved_pieces,
 )
 from sim.workload.params import ParamSpec
 
@@ -73,6 +74,8 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
     flops, saved, fwd, bwd = attention_kernel_figures(
         shape, w, output_saved=not a.output_counted, model_backward_bytes=base.backward_transient_bytes
     )
+    qkv, own, out = attention_saved_pieces(shape, w, output_saved=not a.output_counted)
+    given = _given_bytes(shape, w, not a.output_counted)
     # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)
     backward_flops = None if base.backward_flops is None else base.backward_flops + 2.0 * flops
     return LayerOp(
@@ -84,19 +87,46 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
         flops=base.flops + flops,
         memory_bytes=base.memory_bytes,
         saved_bytes=base.saved_bytes + saved + a.extra_saved_bytes,
+        saved_pieces=_joined(base.saved_bytes, base.saved_pieces, *qkv, *own, *out, a.extra_saved_bytes),
         forward_transient_bytes=base.forward_transient_bytes + fwd,
+        forward_transient_pieces=_joined(base.forward_transient_bytes, base.forward_transient_pieces, fwd),
         # checkpointed: what the kernel makes and keeps or holds while it runs; its inputs as the
         # model hands them (q, k and v at the KV heads) and its output are already the block's
         checkpointed_forward_bytes=None
         if base.checkpointed_forward_bytes is None
-        else base.checkpointed_forward_bytes + saved + fwd - _given_bytes(shape, w, not a.output_counted),
+        else base.checkpointed_forward_bytes + saved + fwd - given,
+        checkpointed_forward_pieces=_joined(
+            base.checkpointed_forward_bytes,
+            base.checkpointed_forward_pieces,
+            *_kernel_own_pieces(own, saved - given),
+            fwd,
+        ),
         backward_transient_bytes=base.backward_transient_bytes + bwd,
+        backward_transient_pieces=_joined(base.backward_transient_bytes, base.backward_transient_pieces, bwd),
         attention=shape,
         host_ops=base.host_ops,
         backward_gemms=base.backward_gemms,
         backward_flops=backward_flops,
         backward_memory_bytes=base.backward_memory_bytes,
     )
+
+
+def _joined(nbytes: int | None, pieces: tuple[int, ...], *more: int) -> tuple[int, ...]:
+    """A measured figure's tensors (``pieces`` of its ``nbytes``) with what the formulas add to
+    it, each a tensor; none where the figure's own are unknown (it then stays one block)."""
+    if nbytes and sum(pieces) != nbytes:
+        return ()
+    return (*pieces, *(n for n in more if n > 0))
+
+
+def _kernel_own_pieces(own: tuple[int, ...], own_bytes: int) -> tuple[int, ...]:
+    """What a checkpointed block adds for the kernel: its own saved tensors (q, k, v and the
+    output are the block's), and where ``repeat_kv`` copied fewer key/value heads, the copies'
+    excess over the block's k and v as one block more."""
+    extra = own_bytes - sum(own)
+    if extra < 0:
+        return (own_bytes,) if own_bytes > 0 else ()
+    return (*own, extra) if extra else own
 
 
 def _given_bytes(shape: AttentionShape, w: Workload, output_saved: bool) -> int:
@@ -123,17 +153,27 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
     # read and write of it (its peak is no higher than the add that follows in the bf16 trace)
     if op.module.endswith(".base_layer") and op.gemm is not None:
         moved += 2 * op.gemm[0] * op.gemm[1] * a
-    forward_dequant = sum(dequant_transient_bytes(n, a, dq, backward=False) for n in numels)
+    forward_pieces = [dequant_transient_bytes(n, a, dq, backward=False) for n in numels]
+    backward_pieces = [dequant_transient_bytes(n, a, dq, backward=True) for n in numels] if backward else []
+    forward_dequant = sum(forward_pieces)
     return replace(
         op,
         memory_bytes=op.memory_bytes + moved,
         forward_transient_bytes=op.forward_transient_bytes + forward_dequant,
+        forward_transient_pieces=_joined(
+            op.forward_transient_bytes, op.forward_transient_pieces, *forward_pieces
+        ),
         checkpointed_forward_bytes=None
         if op.checkpointed_forward_bytes is None
         else op.checkpointed_forward_bytes + forward_dequant,
+        checkpointed_forward_pieces=_joined(
+            op.checkpointed_forward_bytes, op.checkpointed_forward_pieces, *forward_pieces
+        ),
         backward_memory_bytes=(op.backward_memory_bytes or 0.0) + (moved if backward else 0.0),
-        backward_transient_bytes=op.backward_transient_bytes
-        + (sum(dequant_transient_bytes(n, a, dq, backward=True) for n in numels) if backward else 0),
+        backward_transient_bytes=op.backward_transient_bytes + sum(backward_pieces),
+        backward_transient_pieces=_joined(
+            op.backward_transient_bytes, op.backward_transient_pieces, *backward_pieces
+        ),
     )
 
 
@@ -152,6 +192,10 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, masks: 
         forward_transient_bytes=op.forward_transient_bytes,
         backward_transient_bytes=op.backward_transient_bytes,
         checkpointed_forward_bytes=op.checkpointed_forward_bytes if op.block is not None else None,
+        saved_pieces=op.saved_pieces,
+        forward_transient_pieces=op.forward_transient_pieces,
+        backward_transient_pieces=op.backward_transient_pieces,
+        checkpointed_forward_pieces=op.checkpointed_forward_pieces if op.block is not None else (),
         gemm=op.gemms[0][:3] if single else None,
         grouped_gemms=() if single else op.gemms,
         host_ops=op.host_ops,

@@ -1,6 +1,6 @@
 """A model described by its measured ops: what ``hfmodel`` extracts from a Hugging Face config.
 
-The description (JSON, ``version`` 7) is written on the torch side (``hfmodel.describe``) and read
+The description (JSON, ``version`` 8) is written on the torch side (``hfmodel.describe``) and read
 here without torch. It holds:
 - ``params``: every parameter as ``transformers`` builds it on the meta device (name, shape,
   registration order, a tied weight once), and ``buffer_bytes`` (module buffers, unsharded);
@@ -11,8 +11,8 @@ here without torch. It holds:
   encoder-decoder's ``decoder_seq_len``);
 - ``ops``: the forward in execution order, each with its module, kind, decoder block, the
   parameters it owns (a tied one at its first user; ``reuses`` names it at the later ones), forward FLOPs, the (M, N, K, count) of its matmuls, bytes moved by its
-  elementwise work, saved-activation bytes, forward and backward transients and Python-level
-  calls; an attention op also carries its call's shape (the kernel's own work is added per kernel
+  elementwise work, saved-activation bytes, forward and backward transients (each with the
+  storage sizes that make it up, ``*_pieces``, in creation order) and Python-level calls; an attention op also carries its call's shape (the kernel's own work is added per kernel
   by ``sim.workload.layers.attention_kernel_figures``, since it depends on the hardware); and
   what its backward runs, measured: the matmuls autograd issues (a frozen weight has no weight
   gradient; an op whose input needs no gradient either has none at all), their FLOPs, and the
@@ -32,8 +32,10 @@ from sim.workload.params import ParamSpec
 # 3: encoder-decoders (``measured.decoder_seq_len``; attention calls' ``kv_seq_len``, ``dropout``,
 # ``bias``, ``bias_grad``) and tied parameters' later users (``reuses``); 4: attention calls'
 # ``softcap`` (a version 3 file of Gemma 2 would read as uncapped); 6: attention calls'
-# ``backward_start_bytes``; 7: block ops' ``checkpointed_forward_bytes``
-DESCRIPTION_VERSION = 7
+# ``backward_start_bytes``; 7: block ops' ``checkpointed_forward_bytes``; 8: every byte figure's
+# tensors (``saved_pieces``, ``forward_transient_pieces``, ``checkpointed_forward_pieces``,
+# ``backward_transient_pieces``)
+DESCRIPTION_VERSION = 8
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -78,6 +80,11 @@ class DescribedOp:
     # a block op's: what its block's ops hold during it when the block is checkpointed (nothing
     # saved: each storage to its last forward use), the attention kernel's own work excepted
     checkpointed_forward_bytes: int = 0
+    # the storages each figure is made of, in creation order (``hfmodel.trace``)
+    saved_pieces: tuple[int, ...] = ()
+    forward_transient_pieces: tuple[int, ...] = ()
+    checkpointed_forward_pieces: tuple[int, ...] = ()
+    backward_transient_pieces: tuple[int, ...] = ()
     gemms: tuple[tuple[int, int, int, int], ...] = ()
     attention: AttentionCall | None = None
     host_ops: int = 0
@@ -161,6 +168,16 @@ def _gemms(raw: list[Any], where: str) -> tuple[tuple[int, int, int, int], ...]:
     return tuple(out)
 
 
+def _pieces(r: "_Reader", figure: str, where: str) -> tuple[int, ...]:
+    """A figure's storage sizes: positive integers that sum to the figure."""
+    pieces = r.get(f"{figure}_pieces", list)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in pieces):
+        raise UserError(f"{where}: {figure}_pieces must be a list of positive integers")
+    if sum(pieces) != r.get(f"{figure}_bytes", int):
+        raise UserError(f"{where}: {figure}_pieces sum to {sum(pieces)}, not {figure}_bytes")
+    return tuple(pieces)
+
+
 def _op(raw: Any, where: str) -> DescribedOp:
     r = _Reader(raw, where)
     att = raw.get("attention")
@@ -193,6 +210,10 @@ def _op(raw: Any, where: str) -> DescribedOp:
         forward_transient_bytes=r.get("forward_transient_bytes", int),
         backward_transient_bytes=r.get("backward_transient_bytes", int),
         checkpointed_forward_bytes=r.get("checkpointed_forward_bytes", int),
+        **{
+            f"{figure}_pieces": _pieces(r, figure, where)
+            for figure in ("saved", "forward_transient", "checkpointed_forward", "backward_transient")
+        },
         gemms=_gemms(r.get("gemms", list), where),
         attention=call,
         host_ops=r.get("host_ops", int),

@@ -55,6 +55,17 @@ class EagerScoreBytes:
     av_backward: int
 
 
+def eager_score_saved_pieces(a: int, *, softcap: bool, dropout: bool) -> tuple[int, ...]:
+    """The tensors behind ``EagerScoreBytes.saved``, per score, in the order the forward makes
+    them: tanh's output (soft-capping), the fp32 softmax, then the dropout's noise and output, or
+    the cast back (none for fp32)."""
+    upcast = a < FP32_BYTES
+    pieces = ((a,) if softcap else ()) + (FP32_BYTES,)
+    if dropout:
+        return pieces + (a, a)
+    return pieces + ((a,) if upcast else ())
+
+
 def eager_score_bytes(a: int, *, softcap: bool, dropout: bool) -> EagerScoreBytes:
     """The table above for activation bytes ``a``, op by op (see the module docstring)."""
     upcast = a < FP32_BYTES  # softmax copies its input to fp32, and its output is cast back

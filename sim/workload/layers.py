@@ -41,7 +41,7 @@ from enum import StrEnum
 from functools import cache, cached_property
 
 from sim.dtypes import INDEX_BYTES
-from sim.workload.eager_attention import eager_score_bytes
+from sim.workload.eager_attention import eager_score_bytes, eager_score_saved_pieces
 from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
 from sim.workload.options import LossKernel
 
@@ -142,6 +142,12 @@ class LayerOp:
     # what its block holds during it when the block is checkpointed (measured for described
     # models' block ops; None: the analytic ones, whose checkpointed segments hold saved + transient)
     checkpointed_forward_bytes: int | None = None
+    # the tensors each byte figure above is made of, in allocation order, where known (a
+    # described model's, measured; the attention kernel's from its formulas); empty: one tensor
+    saved_pieces: tuple[int, ...] = ()
+    forward_transient_pieces: tuple[int, ...] = ()
+    backward_transient_pieces: tuple[int, ...] = ()
+    checkpointed_forward_pieces: tuple[int, ...] = ()
     gemm: tuple[int, int, int] | None = None  # (M, N, K) of a linear's forward matmul
     # several matmuls in one op, each (M, N, K, count): grouped expert matmuls, a LoRA linear
     grouped_gemms: tuple[tuple[int, int, int, int], ...] = ()
@@ -163,6 +169,16 @@ class LayerOp:
     # tied parameters an earlier op owns that this one uses again (T5's shared embedding in the
     # decoder's embedding and the head): their gradient appears at the last user's backward
     reuses: tuple[str, ...] = ()
+
+    def tensors(self, figure: str) -> tuple[int, ...]:
+        """The tensors of one byte figure (``saved``, ``forward_transient``, ``backward_transient``,
+        ``checkpointed_forward``): its pieces where they account for it exactly, else the figure
+        as one tensor (none for zero bytes)."""
+        nbytes = getattr(self, f"{figure}_bytes") or 0
+        pieces = getattr(self, f"{figure}_pieces")
+        if pieces and sum(pieces) == nbytes:
+            return pieces
+        return (nbytes,) if nbytes > 0 else ()
 
     @cached_property
     def group(self) -> CalibrationGroup | None:
@@ -350,6 +366,29 @@ def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
     padded = 16 * ((shape.kv_len + 15) // 16)
     per_batch = shape.heads * shape.seq_len * padded * a
     return per_batch, shape.batch * per_batch if shape.bias_grad else 0
+
+
+def attention_saved_pieces(
+    shape: AttentionShape, w: Workload, *, output_saved: bool = True
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The tensors behind ``attention_kernel_figures``' saved bytes, in the order they are made,
+    as (q, k and v; the kernel's own; the output where counted here): q, k and v (the eager
+    path's ``repeat_kv`` copies at the query heads), then a fused kernel's fp32 log-sum-exp (and
+    a bias) or the eager path's s² tensors; the math path as one block of its own."""
+    a, dv = w.act_bytes, shape.v_head_dim or shape.head_dim
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    q = t * shape.heads * shape.head_dim * a
+    out = (t * shape.heads * dv * a,) if output_saved else ()
+    if w.attention_kernel == "eager":
+        per = eager_score_saved_pieces(a, softcap=shape.softcap, dropout=shape.dropout > 0)
+        scores = t * shape.heads * shape.kv_len
+        kv = (t_kv * shape.heads * shape.head_dim * a, t_kv * shape.heads * dv * a)
+        return (q, *kv), tuple(scores * n for n in per), out
+    if w.attention_kernel == "math":
+        return (), (attention_kernel_figures(shape, w, output_saved=output_saved)[1],), ()
+    kv = (t_kv * shape.kv_heads * shape.head_dim * a, t_kv * shape.kv_heads * dv * a)
+    bias = (_fused_bias_bytes(shape, a)[0],) if shape.bias else ()
+    return (q, *kv), (t * shape.heads * FP32_BYTES, *bias), out
 
 
 def attention_kernel_figures(

@@ -1,0 +1,71 @@
+"""Tensor-sized allocations (issue 11, reserved memory): every byte figure of a described model
+carries the tensors it is made of, the schedule allocates a segment's saved activations and
+transients as those tensors, and the caching allocator's replay serves them one by one."""
+
+from pathlib import Path
+
+import pytest
+
+from sim.core.events import MemoryCategory
+from sim.scenario.loader import load_scenario
+from sim.simulate import simulate
+
+DATA = Path(__file__).parent / "data" / "hf"
+FIGURES = ("saved", "forward_transient", "backward_transient", "checkpointed_forward")
+
+
+@pytest.fixture(scope="module")
+def eager_ckpt(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """tiny-llama (4 heads, 2 KV heads), 2 x 256 tokens, bf16, eager attention, every block
+    checkpointed."""
+    tmp = tmp_path_factory.mktemp("pieces")
+    path = tmp / "s.toml"
+    path.write_text(
+        f'[model]\nconfig = "{DATA / "tiny-llama.json"}"\n[training]\nmicro_batch = 2\nseq_len = 256\n'
+        'attention = "eager"\n[parallel]\nworld_size = 4\n[precision]\nparam_dtype = "bf16"\n'
+        'reduce_dtype = "fp32"\n[checkpointing]\nmode = "full"\n'
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FSDPSIM_CACHE_DIR", str(tmp / "cache"))
+        return simulate(load_scenario(path))
+
+
+def test_every_figure_is_accounted_for_by_its_tensors(eager_ckpt) -> None:  # type: ignore[no-untyped-def]
+    """The measured pieces sum to each figure to the byte (a mismatch would fall back to one
+    block, so the check is on the pieces themselves), and a block's ops have them."""
+    for op in eager_ckpt.layer_ops:
+        for figure in FIGURES:
+            nbytes = getattr(op, f"{figure}_bytes") or 0
+            pieces = getattr(op, f"{figure}_pieces")
+            assert all(n > 0 for n in pieces)
+            if op.block is not None and nbytes:
+                assert pieces and sum(pieces) == nbytes, (op.name, figure, nbytes, pieces)
+
+
+def test_the_eager_attention_keeps_its_score_tensors_apart(eager_ckpt) -> None:  # type: ignore[no-untyped-def]
+    """The eager path keeps the fp32 softmax (4 B a score) and its bf16 cast (2 B) as two tensors
+    of 2 x 4 heads x 256 x 256 scores, not one 6-byte block; a checkpointed block's forward holds
+    them as such."""
+    scores = 2 * 4 * 256 * 256
+    attention = next(op for op in eager_ckpt.layer_ops if op.attention is not None and op.block == 0)
+    assert scores * 4 in attention.saved_pieces and scores * 2 in attention.saved_pieces
+    assert scores * 4 in attention.checkpointed_forward_pieces
+    segments = zip(eager_ckpt.step.segments, eager_ckpt.step.figures, strict=True)
+    figure = next(f for s, f in segments if s.block == 0)
+    assert scores * 4 in figure.tensors("checkpointed_forward")
+    assert sum(figure.tensors("checkpointed_forward")) == figure.checkpointed_forward_bytes
+
+
+def test_the_schedule_allocates_the_tensors(eager_ckpt) -> None:  # type: ignore[no-untyped-def]
+    """Block 0's checkpointed forward allocates its activations as the measured tensors (the
+    memory curve sees their sum), and the recompute its saves as the saved tensors."""
+    scores = 2 * 4 * 256 * 256
+    ops = eager_ckpt.program.ops
+    forward = next(op for op in ops if op.kind.value == "forward" and "layers.0" in op.unit)
+    acts = next(a for a in forward.allocs if a.label.startswith("activations"))
+    assert len(acts.pieces) > 1 and scores * 4 in acts.pieces and acts.category is MemoryCategory.ACTIVATIONS
+    recompute = next(op for op in ops if op.kind.value == "recompute" and "layers.0" in op.unit)
+    saved = next(a for a in recompute.allocs if a.label.startswith("recomputed_activations"))
+    assert sum(saved.pieces) == saved.bytes and scores * 2 in saved.pieces
+    records = [m for m in eager_ckpt.events.memory_of(0) if m.label == acts.label and m.delta_bytes > 0]
+    assert records and records[0].pieces == acts.pieces and records[0].delta_bytes == acts.bytes
