@@ -25,7 +25,7 @@ from sim.hardware.compute_section import MODEL_FIELDS, ComputeSection, UnitMeasu
 from sim.hardware.schema import DeviceSpec, HardwareProfile
 from sim.workload.description import finetune_fingerprint
 from sim.workload.forward import layer_ops
-from sim.workload.layers import CalibrationGroup, LayerOp, Workload
+from sim.workload.layers import CalibrationGroup, LayerOp, Workload, figure_tensors
 from sim.workload.model import ModelConfig
 from sim.workload.options import OptimizerName
 from sim.workload.units import Segment
@@ -112,12 +112,8 @@ class SegmentFigures:
     checkpointed_forward_pieces: tuple[int, ...] = ()
 
     def tensors(self, figure: str) -> tuple[int, ...]:
-        """One byte figure's tensors: its pieces where they sum to it, else the figure whole."""
-        nbytes = getattr(self, f"{figure}_bytes") or 0
-        pieces = getattr(self, f"{figure}_pieces")
-        if pieces and sum(pieces) == nbytes:
-            return pieces
-        return (nbytes,) if nbytes > 0 else ()
+        """One byte figure's tensors (``sim.workload.layers.figure_tensors``)."""
+        return figure_tensors(self, figure)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -118,6 +118,17 @@ class CalibrationGroup(StrEnum):
     HEAD = "head"
 
 
+def figure_tensors(owner: object, figure: str) -> tuple[int, ...]:
+    """The tensors of ``owner``'s byte figure ``figure`` (its ``<figure>_bytes`` and
+    ``<figure>_pieces``): the pieces where they account for it exactly, else the figure as one
+    tensor (none for zero bytes)."""
+    nbytes = getattr(owner, f"{figure}_bytes") or 0
+    pieces = getattr(owner, f"{figure}_pieces")
+    if pieces and sum(pieces) == nbytes:
+        return tuple(pieces)
+    return (nbytes,) if nbytes > 0 else ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerOp:
     """One piece of the forward pass, in execution order.
@@ -172,13 +183,8 @@ class LayerOp:
 
     def tensors(self, figure: str) -> tuple[int, ...]:
         """The tensors of one byte figure (``saved``, ``forward_transient``, ``backward_transient``,
-        ``checkpointed_forward``): its pieces where they account for it exactly, else the figure
-        as one tensor (none for zero bytes)."""
-        nbytes = getattr(self, f"{figure}_bytes") or 0
-        pieces = getattr(self, f"{figure}_pieces")
-        if pieces and sum(pieces) == nbytes:
-            return pieces
-        return (nbytes,) if nbytes > 0 else ()
+        ``checkpointed_forward``): ``figure_tensors``."""
+        return figure_tensors(self, figure)
 
     @cached_property
     def group(self) -> CalibrationGroup | None:
