@@ -212,6 +212,13 @@ def test_negative_peak_flops(tmp_path: Path) -> None:
     assert "field device.peak_flops.bf16 must be a positive number" in refused(tmp_path, data)
 
 
+@pytest.mark.parametrize("value", [0, 1.5, -0.2])
+def test_eager_memory_efficiency_outside_zero_one(tmp_path: Path, value: float) -> None:
+    data = good_profile()
+    data["device"]["eager_memory_efficiency"] = value
+    assert f"field device.eager_memory_efficiency must be in (0, 1], got {value}" in refused(tmp_path, data)
+
+
 def test_efficiency_above_one(tmp_path: Path) -> None:
     data = good_profile()
     data["device"]["compute_efficiency"] = 1.5

@@ -17,7 +17,11 @@ device's published kernel-level figures (``sim.hardware.schema.DeviceSpec``). Pu
   parts' achievable matmul rates (an assumption, named in the README). The math path is two
   batched matmuls and a softmax over the s² scores.
 - **Memory-bound work** (norms, activations, rotary, residual adds, casts, the loss) moves the
-  bytes eager PyTorch moves (``sim.workload.layers``) at the achievable streaming bandwidth.
+  bytes eager PyTorch moves (``sim.workload.layers``) at the rate eager ATen kernels reach: the
+  achievable streaming bandwidth times ``eager_memory_efficiency``, derived from Liger-Kernel's
+  published timings of the HuggingFace/torch reference ops (``validation.eager_bandwidth``); a part not measured borrows the fraction of its architecture family's
+  measured part with the nearest streaming rate, and one with none in its family (MI300X) streams.
+  A matmul's operands move at the streaming rate itself (cuBLAS, not an eager elementwise kernel).
 - Every kernel takes at least ``kernel_launch_s`` on the device (back-to-back launch floor).
 
 Host-side costs (eager dispatch per op, FSDP2's hooks) are the schedule's, on the host stream.
@@ -35,8 +39,8 @@ TILE_M, TILE_N = 256, 128  # cuBLAS's largest CTA tile (NVIDIA Matrix Multiplica
 ALIGN_ELEMENTS = 8  # tensor cores want every dimension a multiple of 8 fp16/bf16 elements
 UNALIGNED_FACTOR = 272.7 / 398.4  # ml-engineering: H100, ffn 10922 against 10944 at hidden 4096
 FA_BACKWARD_OVER_FORWARD = 2.5  # FlashAttention benchmarks' FLOP convention
-# a part without a published attention curve borrows one of this architecture family
-NEAREST_ATTENTION_ARCH = {"sm80": "sm80", "sm86": "sm80", "sm89": "sm80", "sm90": "sm90", "sm100": "sm90"}
+# a part without a published attention curve (or eager-kernel efficiency) borrows one of this family
+NEAREST_ARCH = {"sm80": "sm80", "sm86": "sm80", "sm89": "sm80", "sm90": "sm90", "sm100": "sm90"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +48,8 @@ class GpuKernelModel:
     """The device figures one scenario's kernels run at (compute dtype fixed)."""
 
     matmul_flops: float
-    hbm_Bps: float
+    hbm_Bps: float  # streaming: a matmul's operands
+    eager_Bps: float  # eager ATen elementwise and reduction kernels
     sm_count: int | None
     kernel_launch_s: float
     act_bytes: int
@@ -107,7 +112,8 @@ class GpuKernelModel:
     # -- memory-bound work -----------------------------------------------------------------
 
     def memory_s(self, nbytes: float) -> float:
-        return max(nbytes / self.hbm_Bps, self.kernel_launch_s) if nbytes > 0 else 0.0
+        """Eager elementwise work moving ``nbytes`` (the tracer's count)."""
+        return max(nbytes / self.eager_Bps, self.kernel_launch_s) if nbytes > 0 else 0.0
 
     # -- one layer op ----------------------------------------------------------------------
 
@@ -171,11 +177,35 @@ def borrowed_attention(
     them, with the ratio of achievable matmul rates to scale them by."""
     if device.attention:
         return device.attention, 1.0
-    arch = NEAREST_ATTENTION_ARCH.get(device.architecture)
+    arch = NEAREST_ARCH.get(device.architecture)
     for lender in lenders.values():
         if arch and lender.architecture == arch and lender.attention and dtype in lender.matmul_flops:
             return lender.attention, device.matmul_flops[dtype] / lender.matmul_flops[dtype]
     return (), 1.0
+
+
+def eager_memory_efficiency(device: DeviceSpec, lenders: dict[str, DeviceSpec]) -> float:
+    """The device's measured fraction of its streaming rate eager kernels reach, else that of the
+    measured part of its architecture family whose streaming rate is nearest its own, else 1."""
+    if device.eager_memory_efficiency is not None:
+        return device.eager_memory_efficiency
+    arch = NEAREST_ARCH.get(device.architecture)
+    family = [
+        d
+        for d in lenders.values()
+        if arch
+        and d.architecture == arch
+        and d.eager_memory_efficiency is not None
+        and d.achievable_hbm_bandwidth_Bps
+    ]
+    if not family or device.achievable_hbm_bandwidth_Bps is None:
+        return 1.0
+    own = device.achievable_hbm_bandwidth_Bps
+    nearest = min(
+        family, key=lambda d: (abs(math.log((d.achievable_hbm_bandwidth_Bps or own) / own)), d.name)
+    )
+    assert nearest.eager_memory_efficiency is not None
+    return nearest.eager_memory_efficiency
 
 
 def kernel_model(
@@ -187,6 +217,7 @@ def kernel_model(
     return GpuKernelModel(
         matmul_flops=device.matmul_flops[dtype],
         hbm_Bps=device.achievable_hbm_bandwidth_Bps,
+        eager_Bps=device.achievable_hbm_bandwidth_Bps * eager_memory_efficiency(device, lenders or {}),
         sm_count=device.sm_count,
         kernel_launch_s=device.kernel_launch_s,
         act_bytes=dtype_bytes(dtype),

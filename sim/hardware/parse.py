@@ -112,6 +112,9 @@ def _device(dev: JsonReader, where: str) -> DeviceSpec:
     if efficiency > 1:
         raise UserError(f"{where}: field device.compute_efficiency must be in (0, 1], got {efficiency}")
     hbm = dev.get("achievable_hbm_bandwidth_Bps", (int, float), None)
+    eager = dev.get("eager_memory_efficiency", (int, float), None)
+    if eager is not None and not 0 < eager <= 1:
+        raise UserError(f"{where}: field device.eager_memory_efficiency must be in (0, 1], got {eager}")
     sms = dev.get("sm_count", int, None)
     return DeviceSpec(
         name=dev.get("name", str),
@@ -122,6 +125,7 @@ def _device(dev: JsonReader, where: str) -> DeviceSpec:
         architecture=dev.get("architecture", str, ""),
         matmul_flops=_per_dtype(dev, "matmul_flops", where, {}),
         achievable_hbm_bandwidth_Bps=None if hbm is None else dev.positive("achievable_hbm_bandwidth_Bps"),
+        eager_memory_efficiency=None if eager is None else float(eager),
         sm_count=None if sms is None else int(dev.positive("sm_count")),
         kernel_launch_s=dev.number("kernel_launch_s", 0.0, 0.0),
         host_op_overhead_s=dev.number("host_op_overhead_s", 0.0, 0.0),

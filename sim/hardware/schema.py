@@ -87,6 +87,9 @@ class DeviceSpec:
     architecture: str = ""  # "sm80", "sm90", "sm100", "sm86", "sm89", "gfx942", "cpu"
     matmul_flops: Mapping[str, float] = field(default_factory=dict)  # max achievable (MAMF) per dtype
     achievable_hbm_bandwidth_Bps: float | None = None  # streaming read+write rate
+    # the fraction of that rate eager ATen elementwise/reduction kernels reach on the bytes the
+    # tracer counts (validation.eager_bandwidth); None: not measured on this part
+    eager_memory_efficiency: float | None = None
     sm_count: int | None = None
     kernel_launch_s: float = 0.0  # back-to-back kernels: the device's floor per kernel
     host_op_overhead_s: float = 0.0  # eager PyTorch: host time to issue one op
