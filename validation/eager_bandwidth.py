@@ -62,7 +62,7 @@ class Pass:
         return self.moved_bytes / self.streaming_Bps >= MIN_STREAM_S
 
 
-def _counted_bytes(build: Callable[[], tuple[Callable[[], Any], tuple[Any, ...]]]) -> tuple[int, int]:
+def _counted_bytes(build: "Build") -> tuple[int, int]:
     """(forward, backward) bytes the tracer's rule counts for one op, on fake tensors."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -94,95 +94,111 @@ def _counted_bytes(build: Callable[[], tuple[Callable[[], Any], tuple[Any, ...]]
     return int(forward.moved), int(backward.moved)
 
 
-def _builder(kernel: str, x_name: str, x: int, config: dict[str, Any]) -> tuple[str, Callable[[], Any]]:
-    """(size label, builder) of the reference op Liger's benchmark script times (b5672a1)."""
+Build = Callable[[], tuple[Callable[[], Any], tuple[Any, ...]]]  # () -> (run, tensors to differentiate)
+
+
+def _rms_norm(x_name: str, x: int, config: dict[str, Any]) -> tuple[str, Build]:
+    """benchmark_rms_norm.py's copy of HF's LlamaRMSNorm (an fp32 weight) on a bf16 input."""
     import torch
     from torch import nn
 
-    bf16 = torch.bfloat16
+    m, h = config["M"], x
 
-    if kernel == "rms_norm":  # benchmark_rms_norm.py's copy of HF's LlamaRMSNorm (an fp32 weight)
-        m, h = config["M"], x
+    def build() -> tuple[Callable[[], Any], tuple[Any, ...]]:
+        weight = nn.Parameter(torch.ones(h))
+        inp = torch.randn(m, h, dtype=torch.bfloat16, requires_grad=True)
 
-        def rms() -> tuple[Callable[[], Any], tuple[Any, ...]]:
-            weight = nn.Parameter(torch.ones(h))
-            inp = torch.randn(m, h, dtype=bf16, requires_grad=True)
+        def run() -> Any:
+            hs = inp.to(torch.float32)
+            variance = hs.pow(2).mean(-1, keepdim=True)
+            hs = hs * torch.rsqrt(variance + 1e-6)
+            return weight * hs.to(torch.bfloat16)
 
-            def run() -> Any:
-                hs = inp.to(torch.float32)
-                variance = hs.pow(2).mean(-1, keepdim=True)
-                hs = hs * torch.rsqrt(variance + 1e-6)
-                return weight * hs.to(bf16)
+        return run, (inp, weight)
 
-            return run, (inp, weight)
-
-        return f"M={m} H={h}", rms
-    if kernel == "rope":  # HF's apply_rotary_pos_emb on (1, heads, T, head_dim) views
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        seq = x if x_name == "T" else config["seq_len"]
-        hidden = config["hidden_size"] if x_name == "T" else x
-        nq, nkv = config["num_q_heads"], config["num_kv_heads"]
-        hd = hidden // nq
-
-        def rope() -> tuple[Callable[[], Any], tuple[Any, ...]]:
-            q = torch.randn(1, seq, nq, hd, dtype=bf16, requires_grad=True).transpose(1, 2)
-            k = torch.randn(1, seq, nkv, hd, dtype=bf16, requires_grad=True).transpose(1, 2)
-            cos, sin = torch.randn(1, seq, hd, dtype=bf16), torch.randn(1, seq, hd, dtype=bf16)
-            return (lambda: apply_rotary_pos_emb(q, k, cos, sin)), (q, k)
-
-        return f"T={seq} hidden={hidden}", rope
-    if kernel == "cross_entropy":  # torch's CrossEntropyLoss on fp32 logits
-        rows, vocab = config["B"] * config["T"], x
-
-        def ce() -> tuple[Callable[[], Any], tuple[Any, ...]]:
-            logits = torch.randn(rows, vocab, requires_grad=True)
-            target = torch.randint(vocab, (rows,))
-            return (lambda: nn.functional.cross_entropy(logits, target)), (logits,)
-
-        return f"N={rows} V={vocab}", ce
-    if kernel == "layer_norm":  # torch.nn.LayerNorm, fp32
-        m, n = config["M"], x
-
-        def ln() -> tuple[Callable[[], Any], tuple[Any, ...]]:
-            layer = nn.LayerNorm(n, eps=config["eps"])
-            inp = torch.randn(m, n, requires_grad=True)
-            return (lambda: layer(inp)), (inp, layer.weight, layer.bias)
-
-        return f"M={m} N={n}", ln
-    raise ValueError(f"{DATA}: kernel {kernel!r} has no reference op here")
+    return f"M={m} H={h}", build
 
 
-def passes(data_path: Path = DATA) -> list[Pass]:
-    """Every timed pass of the data file: forward as timed; backward as timed, else full − forward."""
-    from sim.hardware.registry import builtin_devices
+def _rope(x_name: str, x: int, config: dict[str, Any]) -> tuple[str, Build]:
+    """HF's apply_rotary_pos_emb on (1, heads, T, head_dim) views, bf16."""
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    devices = builtin_devices()
-    data = json.loads(data_path.read_text())
+    seq = x if x_name == "T" else config["seq_len"]
+    hidden = config["hidden_size"] if x_name == "T" else x
+    nq, nkv = config["num_q_heads"], config["num_kv_heads"]
+    hd, bf16 = hidden // nq, torch.bfloat16
+
+    def build() -> tuple[Callable[[], Any], tuple[Any, ...]]:
+        q = torch.randn(1, seq, nq, hd, dtype=bf16, requires_grad=True).transpose(1, 2)
+        k = torch.randn(1, seq, nkv, hd, dtype=bf16, requires_grad=True).transpose(1, 2)
+        cos, sin = torch.randn(1, seq, hd, dtype=bf16), torch.randn(1, seq, hd, dtype=bf16)
+        return (lambda: apply_rotary_pos_emb(q, k, cos, sin)), (q, k)
+
+    return f"T={seq} hidden={hidden}", build
+
+
+def _cross_entropy(x_name: str, x: int, config: dict[str, Any]) -> tuple[str, Build]:
+    """torch's CrossEntropyLoss on fp32 logits."""
+    import torch
+
+    rows, vocab = config["B"] * config["T"], x
+
+    def build() -> tuple[Callable[[], Any], tuple[Any, ...]]:
+        logits = torch.randn(rows, vocab, requires_grad=True)
+        target = torch.randint(vocab, (rows,))
+        return (lambda: torch.nn.functional.cross_entropy(logits, target)), (logits,)
+
+    return f"N={rows} V={vocab}", build
+
+
+def _layer_norm(x_name: str, x: int, config: dict[str, Any]) -> tuple[str, Build]:
+    """torch.nn.LayerNorm, fp32."""
+    import torch
+
+    m, n = config["M"], x
+
+    def build() -> tuple[Callable[[], Any], tuple[Any, ...]]:
+        layer = torch.nn.LayerNorm(n, eps=config["eps"])
+        inp = torch.randn(m, n, requires_grad=True)
+        return (lambda: layer(inp)), (inp, layer.weight, layer.bias)
+
+    return f"M={m} N={n}", build
+
+
+# the reference op of each kernel Liger's benchmark scripts time (b5672a1): (size label, builder)
+REFERENCE_OPS: dict[str, Callable[[str, int, dict[str, Any]], tuple[str, Build]]] = {
+    "rms_norm": _rms_norm,
+    "rope": _rope,
+    "cross_entropy": _cross_entropy,
+    "layer_norm": _layer_norm,
+}
+
+
+def _timed(gpu: dict[str, Any]) -> dict[tuple[str, str, int, str], dict[str, float]]:
+    """Seconds per mode (forward, backward, full) of each (kernel, x_name, x, config) timed."""
+    timed: dict[tuple[str, str, int, str], dict[str, float]] = {}
+    for m in gpu["measurements"]:
+        key = (m["kernel"], m["x_name"], m["x"], json.dumps(m["config"], sort_keys=True))
+        timed.setdefault(key, {})[m["mode"]] = m["ms"] / 1e3
+    return timed
+
+
+def _gpu_passes(gpu: dict[str, Any], streaming_Bps: float) -> list[Pass]:
     out: list[Pass] = []
-    for gpu in data["gpus"]:
-        device = devices[PROFILE_OF_GPU[gpu["gpu_name"]]]
-        assert device.achievable_hbm_bandwidth_Bps is not None
-        timed: dict[tuple[str, str, int, str], dict[str, float]] = {}
-        for m in gpu["measurements"]:
-            key = (m["kernel"], m["x_name"], m["x"], json.dumps(m["config"], sort_keys=True))
-            timed.setdefault(key, {})[m["mode"]] = m["ms"] / 1e3
-        seen: set[tuple[str, str]] = set()  # a size two sweeps share (rope's T and hidden) counts once
-        for (kernel, x_name, x, config), modes in sorted(timed.items()):
-            if "forward" not in modes:
-                continue
-            backward_s = modes.get("backward", modes["full"] - modes["forward"] if "full" in modes else None)
-            size, build = _builder(kernel, x_name, x, json.loads(config))
-            if (kernel, size) in seen:
-                continue
-            seen.add((kernel, size))
-            fwd_bytes, bwd_bytes = _counted_bytes(build)
-            for direction, moved, seconds in (
-                ("forward", fwd_bytes, modes["forward"]),
-                ("backward", bwd_bytes, backward_s),
-            ):
-                if seconds is None or seconds <= 0:
-                    continue
+    seen: set[tuple[str, str]] = set()  # a size two sweeps share (rope's T and hidden) counts once
+    for (kernel, x_name, x, config), modes in sorted(_timed(gpu).items()):
+        size, build = REFERENCE_OPS[kernel](x_name, x, json.loads(config))
+        if "forward" not in modes or (kernel, size) in seen:
+            continue
+        seen.add((kernel, size))
+        backward_s = modes.get("backward", modes["full"] - modes["forward"] if "full" in modes else None)
+        fwd_bytes, bwd_bytes = _counted_bytes(build)
+        for direction, moved, seconds in (
+            ("forward", fwd_bytes, modes["forward"]),
+            ("backward", bwd_bytes, backward_s),
+        ):
+            if seconds is not None and seconds > 0:
                 out.append(
                     Pass(
                         gpu=gpu["gpu_name"],
@@ -191,9 +207,22 @@ def passes(data_path: Path = DATA) -> list[Pass]:
                         direction=direction,
                         moved_bytes=moved,
                         measured_s=seconds,
-                        streaming_Bps=device.achievable_hbm_bandwidth_Bps,
+                        streaming_Bps=streaming_Bps,
                     )
                 )
+    return out
+
+
+def passes(data_path: Path = DATA) -> list[Pass]:
+    """Every timed pass of the data file: forward as timed; backward as timed, else full − forward."""
+    from sim.hardware.registry import builtin_devices
+
+    devices = builtin_devices()
+    out: list[Pass] = []
+    for gpu in json.loads(data_path.read_text())["gpus"]:
+        streaming = devices[PROFILE_OF_GPU[gpu["gpu_name"]]].achievable_hbm_bandwidth_Bps
+        assert streaming is not None
+        out += _gpu_passes(gpu, streaming)
     return out
 
 
