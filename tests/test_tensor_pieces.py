@@ -14,20 +14,30 @@ DATA = Path(__file__).parent / "data" / "hf"
 FIGURES = ("saved", "forward_transient", "backward_transient", "checkpointed_forward")
 
 
-@pytest.fixture(scope="module")
-def eager_ckpt(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """tiny-llama (4 heads, 2 KV heads), 2 x 256 tokens, bf16, eager attention, every block
-    checkpointed."""
+def _eager_ckpt(tmp_path_factory, extra: str = ""):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("pieces")
     path = tmp / "s.toml"
     path.write_text(
         f'[model]\nconfig = "{DATA / "tiny-llama.json"}"\n[training]\nmicro_batch = 2\nseq_len = 256\n'
         'attention = "eager"\n[parallel]\nworld_size = 4\n[precision]\nparam_dtype = "bf16"\n'
-        'reduce_dtype = "fp32"\n[checkpointing]\nmode = "full"\n'
+        'reduce_dtype = "fp32"\n[checkpointing]\nmode = "full"\n' + extra
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FSDPSIM_CACHE_DIR", str(tmp / "cache"))
         return simulate(load_scenario(path))
+
+
+@pytest.fixture(scope="module")
+def eager_ckpt(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """tiny-llama (4 heads, 2 KV heads), 2 x 256 tokens, bf16, eager attention, every block
+    checkpointed."""
+    return _eager_ckpt(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def zero3_ckpt(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The same under DeepSpeed ZeRO-3, whose schedule issues its own recompute."""
+    return _eager_ckpt(tmp_path_factory, "[deepspeed]\nenabled = true\nstage = 3\n")
 
 
 def test_every_figure_is_accounted_for_by_its_tensors(eager_ckpt) -> None:  # type: ignore[no-untyped-def]
@@ -69,3 +79,20 @@ def test_the_schedule_allocates_the_tensors(eager_ckpt) -> None:  # type: ignore
     assert sum(saved.pieces) == saved.bytes and scores * 2 in saved.pieces
     records = [m for m in eager_ckpt.events.memory_of(0) if m.label == acts.label and m.delta_bytes > 0]
     assert records and records[0].pieces == acts.pieces and records[0].delta_bytes == acts.bytes
+
+
+def test_zero3s_recompute_allocates_the_tensors_too(zero3_ckpt) -> None:  # type: ignore[no-untyped-def]
+    """ZeRO-3's own recompute saves each segment's activations and holds its transient as the
+    measured tensors, as the shared schedule's does (and a block ending in a parameterless op, the
+    residual add, is recomputed before that op's backward)."""
+    assert zero3_ckpt.scenario.deepspeed.enabled and zero3_ckpt.scenario.deepspeed.stage == 3
+    figures = {s.name: f for s, f in zip(zero3_ckpt.step.segments, zero3_ckpt.step.figures, strict=True)}
+    recomputes = [op for op in zero3_ckpt.program.ops if op.kind.value == "recompute"]
+    assert recomputes
+    for op in recomputes:
+        figure = figures[op.name]
+        saved = next(a for a in op.allocs if a.label.startswith("recomputed_activations"))
+        temp = next(a for a in op.allocs if a.label.startswith("recompute_temp"))
+        assert saved.pieces == figure.tensors("saved") and sum(saved.pieces) == saved.bytes
+        assert temp.pieces == figure.tensors("forward_transient")
+    assert any(len(op.allocs[0].pieces) > 1 for op in recomputes)

@@ -164,8 +164,15 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
             mb,
             fig.recompute_s,
             allocs=(
-                Alloc(label=saved, category=Mem.ACTIVATIONS, bytes=fig.saved_bytes),
-                Alloc(label=transient, category=Mem.OTHER, bytes=fig.forward_transient_bytes),
+                Alloc(
+                    label=saved, category=Mem.ACTIVATIONS, bytes=fig.saved_bytes, pieces=fig.tensors("saved")
+                ),
+                Alloc(
+                    label=transient,
+                    category=Mem.OTHER,
+                    bytes=fig.forward_transient_bytes,
+                    pieces=fig.tensors("forward_transient"),
+                ),
             ),
             frees=(transient,),
             host_s=fig.forward_host_s,

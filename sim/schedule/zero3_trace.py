@@ -125,7 +125,7 @@ def segment_uses(cfg: StepConfig) -> list[SegmentUse]:
     recomputed: set[int] = set()
     for i in forward[::-1]:
         block = cfg.segments[i].block
-        if block in wrapped and block not in recomputed and cfg.segments[i].params:
+        if block in wrapped and block not in recomputed:  # its last segment, parameters or none
             recomputed.add(block)
             first = _uses(cfg, [i], OpKind.BACKWARD, entered, wrapped)[0]
             uses.append(SegmentUse(segment=i, phase=OpKind.BACKWARD, calls=first.calls, compute=False))
