@@ -27,11 +27,12 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).parent / "data" / "liger_eager_kernels.json"
+MLP_DATA = Path(__file__).parent / "data" / "liger_mlp_a100.json"
 MIN_STREAM_S = 100e-6
 # the built-in profile each measured GPU is (its streaming rate is the denominator)
 PROFILE_OF_GPU = {
@@ -62,8 +63,8 @@ class Pass:
         return self.moved_bytes / self.streaming_Bps >= MIN_STREAM_S
 
 
-def _counted_bytes(build: "Build") -> tuple[int, int]:
-    """(forward, backward) bytes the tracer's rule counts for one op, on fake tensors."""
+def _traced(build: "Build") -> tuple["Work", "Work"]:
+    """(forward, backward) work the tracer's rules count for one op, on fake tensors."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,12 +74,15 @@ def _counted_bytes(build: "Build") -> tuple[int, int]:
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.moved = 0.0
+            self.work = Work()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            self.moved += _work(str(func), func, args, kwargs, out)[2]
+            _, shape, moved = _work(str(func), func, args, kwargs, out)
+            self.work.moved_bytes += int(moved)
+            if shape is not None:
+                self.work.gemms.append(shape)
             return out
 
     with FakeTensorMode():
@@ -91,7 +95,20 @@ def _counted_bytes(build: "Build") -> tuple[int, int]:
         backward = Count()
         with backward:
             torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-    return int(forward.moved), int(backward.moved)
+    return forward.work, backward.work
+
+
+def _counted_bytes(build: "Build") -> tuple[int, int]:
+    forward, backward = _traced(build)
+    return forward.moved_bytes, backward.moved_bytes
+
+
+@dataclass
+class Work:
+    """What one pass runs: elementwise bytes moved and matmul (M, N, K, count) shapes."""
+
+    moved_bytes: int = 0
+    gemms: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 Build = Callable[[], tuple[Callable[[], Any], tuple[Any, ...]]]  # () -> (run, tensors to differentiate)
@@ -226,6 +243,74 @@ def passes(data_path: Path = DATA) -> list[Pass]:
     return out
 
 
+def _llama_mlp(config: dict[str, Any], seq_len: int) -> "Build":
+    """HF's LlamaMLP in bf16 on a (batch, seq, hidden) bf16 input, as Liger's swiglu/geglu scripts."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    batch: int = config["B"] if "B" in config else config["bsz"]
+    hidden = config["hidden_size"]
+
+    def build() -> tuple[Callable[[], Any], tuple[Any, ...]]:
+        llama = LlamaConfig(
+            hidden_size=hidden, intermediate_size=config["intermediate_size"], hidden_act=config["hidden_act"]
+        )
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # built in bf16 (``.to`` cannot swap fake parameters)
+        try:
+            layer = LlamaMLP(llama)
+        finally:
+            torch.set_default_dtype(default)
+        x = torch.randn(batch, seq_len, hidden, dtype=torch.bfloat16, requires_grad=True)
+        return (lambda: layer(x)), (x, *layer.parameters())
+
+    return build
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlpCheck:
+    """The kernel model's time for one pass of HF's LlamaMLP against Liger's measured time."""
+
+    kernel: str
+    size: str
+    direction: str
+    predicted_s: float
+    measured_s: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.measured_s - 1
+
+
+def mlp_checks(data_path: Path = MLP_DATA) -> list[MlpCheck]:
+    """Every timed forward and backward of the MLP file, predicted as the simulator times an op:
+    its matmuls at ``gemm_s`` and its elementwise bytes at ``memory_s`` (A100 SXM 80 GB)."""
+    from sim.costs.gpu import kernel_model
+    from sim.hardware.registry import builtin_devices
+
+    devices = builtin_devices()
+    data = json.loads(data_path.read_text())
+    model = kernel_model(devices[data["profile"]], "bf16", devices)
+    out: list[MlpCheck] = []
+    for (kernel, _, seq, config), modes in sorted(_timed(data).items()):
+        forward, backward = _traced(_llama_mlp(json.loads(config), seq))
+        for direction, work in (("forward", forward), ("backward", backward)):
+            if direction not in modes:
+                continue
+            predicted = sum(c * model.gemm_s(m, n, k) for m, n, k, c in work.gemms)
+            out.append(
+                MlpCheck(
+                    kernel=kernel,
+                    size=f"{json.loads(config).get('B', json.loads(config).get('bsz'))} x {seq}",
+                    direction=direction,
+                    predicted_s=predicted + model.memory_s(work.moved_bytes),
+                    measured_s=modes[direction],
+                )
+            )
+    return out
+
+
 def efficiency_by_profile(all_passes: list[Pass]) -> dict[str, float]:
     """Each measured part's figure: the median efficiency of its counted passes, 3 decimals."""
     out: dict[str, float] = {}
@@ -233,6 +318,46 @@ def efficiency_by_profile(all_passes: list[Pass]) -> dict[str, float]:
         effs = [p.efficiency for p in all_passes if p.gpu == gpu and p.counted]
         out[profile] = round(statistics.median(effs), 3)
     return out
+
+
+def kernel_section() -> str:
+    """VALIDATION.md's kernel-level section: each measured part's eager figure and the MLP check."""
+    all_passes = passes()
+    figures = efficiency_by_profile(all_passes)
+    lines = [
+        "### Kernel-level checks of the GPU compute model (`python -m validation.eager_bandwidth`)",
+        "",
+        "Eager elementwise kernels against Liger-Kernel's published timings of the HF/torch reference ops "
+        "(RMSNorm, rotary, cross-entropy, LayerNorm; forward and backward): the bytes the tracer counts over "
+        "the measured time, as a fraction of the profile's streaming rate; a part's "
+        "`eager_memory_efficiency` is the median over its bandwidth-bound passes.",
+        "",
+        "| GPU (profile) | passes counted | lowest | median (the profile's figure) | highest |",
+        "|---|---|---|---|---|",
+    ]
+    for gpu, profile in PROFILE_OF_GPU.items():
+        effs = sorted(p.efficiency for p in all_passes if p.gpu == gpu and p.counted)
+        lines.append(
+            f"| {gpu} ({profile}) | {len(effs)} | {effs[0]:.1%} | {figures[profile]:.3f} | {effs[-1]:.1%} |"
+        )
+    checks = mlp_checks()
+    worst = max(abs(c.error) for c in checks)
+    lines += [
+        "",
+        "Out of sample: HF's LlamaMLP (hidden 4096, intermediate 11008, bf16; SwiGLU and GeGLU) timed by "
+        "Liger on an A100-SXM4-80GB, against the kernel model's matmuls (`gemm_s`) plus its elementwise "
+        "bytes at the eager rate (`memory_s`), as the simulator times an op:",
+        "",
+        "| MLP | batch x tokens | pass | predicted | measured | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {c.kernel} | {c.size} | {c.direction} | {c.predicted_s * 1e3:.2f} ms | {c.measured_s * 1e3:.2f} ms "
+        f"| {c.error:+.1%} |"
+        for c in checks
+    ]
+    lines += ["", f"Worst |error| {worst:.1%} over {len(checks)} passes.", ""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{p.measured_s * 1e3:.3f} ms | {p.moved_bytes / p.measured_s / 1e9:,.0f} | {p.efficiency:.1%} | "
             f"{'yes' if p.counted else 'no'} |"
         )
+    print("\n" + kernel_section())
     figures = efficiency_by_profile(all_passes)
     devices = builtin_devices()
     wrong = 0

@@ -340,7 +340,9 @@ def published_section(runs: list[PublishedRun] = RUNS) -> str:
         "Sources and assumptions:",
     ]
     lines += sorted({f"- {run.source}; {run.note}" for run in runs})
-    return "\n".join(lines) + "\n\n" + memory_section() + "\n" + network_section()
+    from validation.eager_bandwidth import kernel_section
+
+    return "\n".join(lines) + "\n\n" + kernel_section() + "\n" + memory_section() + "\n" + network_section()
 
 
 def write_published(path: str | Path = "VALIDATION.md") -> str:
