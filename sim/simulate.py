@@ -200,7 +200,7 @@ def build_step(
         ),
         grad_accum=training.grad_accum,
         optimizer=scenario.optimizer.name,
-        master_bytes=dtype_bytes(MASTER_DTYPE),
+        master_dtype=scenario.master_dtype,
         param_dtype=scenario.param_dtype,
         param_bytes=dtype_bytes(scenario.param_dtype),
         reduce_dtype=scenario.reduce_dtype,

@@ -224,8 +224,6 @@ def test_mixed_precision_false_refusals(tmp_path: Path) -> None:
         load_scenario(_pure(tmp_path), ["parallel.fsdp_version=2", "parallel.wrap=block"])
     with pytest.raises(UserError, match="remove precision.reduce_dtype"):
         load_scenario(_pure(tmp_path), ["precision.reduce_dtype=fp32"])
-    with pytest.raises(UserError, match='finetune.method = "full" steps low-precision'):
-        load_scenario(_pure(tmp_path), ["finetune.method=full", "parallel.wrap=block"])
     with pytest.raises(UserError, match="fsdp1.mixed_precision = false"):  # the hint in the bf16 refusal
         load_scenario(_scenario(tmp_path, dtype="bf16"))
 
@@ -241,6 +239,61 @@ def test_memory_without_mixed_precision_matches_real_fsdp1(tmp_path: Path, overr
     rows = {r.metric.strip(): r for r in comparison.rows}
     assert abs(rows["peak memory"].predicted / rows["peak memory"].measured - 1) < 0.005
     assert rows["params"].predicted == rows["params"].measured
+
+
+# -- trained whole without MixedPrecision (llama-recipes' --pure_bf16 full fine-tuning) --------
+
+
+def _pure_full(tmp_path: Path) -> Path:
+    """The bf16 model trained whole under FullyShardedDataParallel(mixed_precision=None)."""
+    path = _scenario(tmp_path, wrap="block", dtype="bf16", finetune="")
+    path.write_text(
+        path.read_text().replace('reduce_dtype = "fp32"\n', "") + "[fsdp1]\nmixed_precision = false\n"
+    )
+    return path
+
+
+def test_trained_whole_in_bf16_everything_is_bf16(tmp_path: Path) -> None:
+    """Nothing upcasts: each FlatParameter shard, its gradient and AdamW's two states
+    (``zeros_like(param)``) are bf16, 2 bytes an element, and every all-gather and reduce-scatter
+    moves bf16; the optimizer step moves half the bytes of an fp32 one, so takes half the time."""
+    scenario = load_scenario(_pure_full(tmp_path))
+    assert scenario.master_dtype == "bf16"
+    result = simulate(scenario)
+    step = result.step
+    units = {u.name: u for u in step.units}
+    numel = sum(_flat_padded(u.numel) for u in step.units) // W
+    state = model_state(step)
+    assert (state.params, state.grads, state.optimizer) == (numel * 2, numel * 2, 2 * numel * 2)
+    ops = [o for o in result.events.ops if o.rank == 0]
+    for kind in (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER):
+        moved = [o for o in ops if o.kind is kind]
+        assert moved and all(o.bytes == _flat_padded(units[o.unit].numel) * 2 for o in moved)
+    optimizer = next(o for o in ops if o.kind is OpKind.OPTIMIZER)
+    fp32 = step.costs.optimizer_s(numel)
+    assert optimizer.end_s - optimizer.start_s == pytest.approx(fp32 / 2)
+    # the same model with MixedPrecision keeps fp32 masters
+    mixed = load_scenario(_scenario(tmp_path, wrap="block", dtype="bf16", finetune=""))
+    assert mixed.master_dtype == "fp32"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [[], ["checkpointing.mode=full"], ["training.grad_accum=2"]])
+def test_memory_trained_whole_in_bf16_matches_real_fsdp1(tmp_path: Path, overrides: list[str]) -> None:
+    """``model.to(torch.bfloat16)`` trained whole under FullyShardedDataParallel(mixed_precision=None)
+    and ``AdamW(foreach=True)``, one rank of 4 on the fake process group: the peak within 0.5 %,
+    parameters to the byte, optimizer states to the byte but AdamW's ``step`` counters (one fp32
+    scalar per FlatParameter, on the host on a GPU: not device memory, which the simulator counts)."""
+    from validation.memory_only import validate_memory_only
+
+    comparison, _ = validate_memory_only(str(_pure_full(tmp_path)), overrides, timeout_s=300)
+    rows = {r.metric.strip(): r for r in comparison.rows}
+    assert abs(rows["peak memory"].predicted / rows["peak memory"].measured - 1) < 0.005
+    assert rows["params"].predicted == rows["params"].measured
+    units = (
+        len(unit_prefixes(load_scenario(_pure_full(tmp_path)).model, WrapPolicy.BLOCK)) + 1
+    )  # and the root
+    assert rows["optimizer"].measured - rows["optimizer"].predicted == 4 * units
 
 
 # -- checkpointing: units nested in a checkpointed block gather again in its recompute ----------

@@ -35,10 +35,17 @@ def build_llama(
 
 
 def build_model(
-    model: ModelConfig, seq_len: int, seed: int = 0, use_cache: bool = False, attention: str = "sdpa"
+    model: ModelConfig,
+    seq_len: int,
+    seed: int = 0,
+    use_cache: bool = False,
+    attention: str = "sdpa",
+    master_dtype: str = "fp32",
 ) -> nn.Module:
     """The scenario's model: a described one from its own config.json, else Llama, with
     ``attn_implementation = attention`` (``training.attention``: "sdpa" or "eager").
+    Trained whole, it is stored in ``master_dtype`` (``Scenario.master_dtype``: bf16 for
+    llama-recipes' ``--pure_bf16``, ``model.to(torch.bfloat16)`` before FSDP1).
     Fine-tuned with LoRA: the base in the compute dtype it was described in, PEFT's adapters on it
     (fp32, PEFT's default over a lower-precision base). ``use_cache``: the scenario's
     ``model.use_cache``, the KV cache its forward keeps."""
@@ -51,7 +58,7 @@ def build_model(
     d = model.description
     config = hf_config(json.loads(d.config_json), use_cache=use_cache, attn=attention)
     if d.finetune is None:
-        return build_causal_lm(config, seed=seed)
+        return build_causal_lm(config, dtype=TORCH_DTYPES[master_dtype], seed=seed)
     from hfmodel.build import block_prefixes
     from hfmodel.finetune import apply_lora, quantize_base
 
@@ -69,6 +76,7 @@ def build_scenario_model(scenario: Scenario) -> nn.Module:
         scenario.training.seq_len,
         use_cache=scenario.use_cache,
         attention=scenario.training.attention.value,
+        master_dtype=scenario.master_dtype,
     )
 
 

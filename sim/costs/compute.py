@@ -225,8 +225,11 @@ class ComputeCosts:
         """A device-to-device copy of ``nbytes`` (FSDP2 all-gather copy-out, reduce-scatter copy-in)."""
         return nbytes / self.copy_Bps
 
-    def optimizer_s(self, numel: int) -> float:
-        return numel * self.optimizer_s_per_element
+    def optimizer_s(self, numel: int, state_bytes: int = 4) -> float:
+        """Stepping ``numel`` elements whose parameter, gradient and states are ``state_bytes``
+        each: the per-element figure is fp32's, and the step is bandwidth-bound, so bf16 states
+        (``StepConfig.master_dtype``) move, and take, half of it."""
+        return numel * self.optimizer_s_per_element * state_bytes / 4
 
 
 def _checkpointed_forward_op(ops: Sequence[LayerOp]) -> LayerOp | None:

@@ -386,7 +386,8 @@ def _check_finetune_system(s: Scenario, where: str) -> None:
 
 def _check_fsdp1_mixed_precision(s: Scenario, where: str) -> None:
     """``fsdp1.mixed_precision = false``: FSDP1 with ``mixed_precision=None`` over a model stored in
-    ``param_dtype``; modelled where the trainable parameters stay fp32 (LoRA's adapters)."""
+    ``param_dtype``: LoRA's adapters stay fp32; trained whole, everything is ``param_dtype``
+    (``Scenario.master_dtype``)."""
     if s.fsdp1.mixed_precision:
         return
     if s.parallel.fsdp_version != 1 or s.deepspeed.enabled:
@@ -398,12 +399,6 @@ def _check_fsdp1_mixed_precision(s: Scenario, where: str) -> None:
         raise UserError(
             f"{where}: fsdp1.mixed_precision = false reduces each FlatParameter in its own dtype and keeps "
             f"buffers as stored; remove {' and '.join(given)}"
-        )
-    if s.param_dtype != "fp32" and not s.finetune.lora:
-        raise UserError(
-            f"{where}: fsdp1.mixed_precision = false with precision.param_dtype = {s.param_dtype!r} and "
-            'finetune.method = "full" steps low-precision weights and optimizer states, which is not '
-            'modelled; modelled: finetune.method = "lora" (fp32 adapters), or param_dtype = "fp32"'
         )
 
 

@@ -304,6 +304,20 @@ class Scenario:
         return self.precision.reduce_dtype or self.precision.param_dtype
 
     @property
+    def master_dtype(self) -> str:
+        """The dtype of the trained parameters' shards, their gradients and optimizer states: fp32,
+        except FSDP1 with ``mixed_precision=None`` over a model stored in ``param_dtype`` and trained
+        whole (llama-recipes' ``--pure_bf16``): there nothing is upcast, so the shards, gradients
+        and ``torch.optim.AdamW``'s states (``zeros_like(param)``) are all ``param_dtype``."""
+        pure = (
+            self.parallel.fsdp_version == 1
+            and not self.fsdp1.mixed_precision
+            and not self.deepspeed.enabled
+            and not self.finetune.lora
+        )
+        return self.precision.param_dtype if pure else "fp32"
+
+    @property
     def reshard_after_forward(self) -> bool:
         """Whether non-root units free their unsharded parameters after forward (FSDP2 treats an
         integer 1 as False and any larger one as True: ``_fsdp_init._get_post_forward_mesh_info``)."""

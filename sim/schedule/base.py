@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from sim.core.events import MemoryCategory, OpKind, Stream
 from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
+from sim.dtypes import dtype_bytes
 from sim.schedule.model_state import numel_per_rank, resident_allocs
 from sim.schedule.step import StepConfig
 from sim.workload.layers import LayerKind
@@ -548,7 +549,7 @@ class ScheduleBuilder:
                 OpKind.ALL_REDUCE,
                 Stream.ALL_REDUCE,
                 ROOT,
-                cfg.master_bytes,
+                dtype_bytes("fp32"),  # the one found_inf element
                 GroupKind.SHARD,
                 "fp32",
                 mb=mb,
@@ -571,7 +572,7 @@ class ScheduleBuilder:
             "optimizer step",
             ROOT,
             cfg.grad_accum - 1,
-            cfg.costs.optimizer_s(numel),
+            cfg.costs.optimizer_s(numel, cfg.master_bytes),
             allocs=(Alloc(label=temp, category=MemoryCategory.OTHER, bytes=temp_bytes),),
             frees=(temp, *self.grad_labels),
         )

@@ -79,8 +79,8 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         mp = self.opts.mixed_precision
         self.param_bytes = {u: cfg.param_bytes if mp else b for u, b in self.stored.items()}
         self.reduce_bytes = {u: cfg.reduce_bytes if mp else b for u, b in self.stored.items()}
-        self.param_dtype = {u.name: cfg.param_dtype if mp else unit_dtype(u) for u in cfg.units}
-        self.reduce_dtype = {u.name: cfg.reduce_dtype if mp else unit_dtype(u) for u in cfg.units}
+        self.param_dtype = {u.name: cfg.param_dtype if mp else unit_dtype(cfg, u) for u in cfg.units}
+        self.reduce_dtype = {u.name: cfg.reduce_dtype if mp else unit_dtype(cfg, u) for u in cfg.units}
         self.catch_all: list[str] = []  # frozen units the final callback's catch-all reshards
         self.free_events: deque[int] = deque()  # the rate limiter's queue of free events
         self.last_unshard: int | None = None  # the unshard stream's last op: what compute waits for

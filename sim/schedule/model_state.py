@@ -5,7 +5,8 @@ tuner's memory bound, so the three can never disagree.
 
 FSDP2 pads each parameter's dim 0 to a multiple of the shard group (``_get_dim0_padded_size``)
 and keeps fp32 shards of parameters, gradients and every optimizer state; FSDP1 pads each unit's
-``FlatParameter`` instead (``StepConfig.padded_numel``) and keeps the same fp32 shards; DDP keeps
+``FlatParameter`` instead (``StepConfig.padded_numel``) and keeps the same fp32 shards (without
+``MixedPrecision``, over a model stored in bf16 and trained whole: bf16 ones, ``master_dtype``); DDP keeps
 all of them whole, plus its gradient buckets (``gradient_as_bucket_view=False``: a second copy of
 the gradients in ``reduce_dtype``). A frozen parameter (LoRA's base, FSDP2 and DDP) is stored in its
 own dtype with no gradient and no optimizer state (FSDP1: a frozen unit's whole ``FlatParameter``);
@@ -54,10 +55,10 @@ def unit_stored_bytes(step: StepConfig, unit: WrapUnit) -> int:
     return max(stored_bytes(step, p) for p in unit.params) if unit.params else step.master_bytes
 
 
-def unit_dtype(unit: WrapUnit) -> str:
+def unit_dtype(step: StepConfig, unit: WrapUnit) -> str:
     """The dtype name of an FSDP1 unit's ``FlatParameter``: its frozen parameters' own, else the
-    fp32 masters'."""
-    return next((p.dtype for p in unit.params if p.dtype is not None), "fp32")
+    masters'."""
+    return next((p.dtype for p in unit.params if p.dtype is not None), step.master_dtype)
 
 
 def fsdp1_unit_trains(unit: WrapUnit) -> bool:

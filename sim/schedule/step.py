@@ -9,6 +9,7 @@ from sim.core.topology import GroupKind
 from sim.costs.collectives import CollectiveCost
 from sim.costs.compute import ComputeCosts, SegmentFigures
 from sim.costs.offload import HostCosts
+from sim.dtypes import dtype_bytes
 from sim.workload.checkpointing import CheckpointPlan
 from sim.workload.expert_parallel import expert_padded_numel
 from sim.workload.options import Fsdp1Options, Fsdp2Offload, OptimizerName, Strategy, ZeroOptions
@@ -41,7 +42,9 @@ class StepConfig:
     checkpoint: CheckpointPlan
     grad_accum: int
     optimizer: OptimizerName
-    master_bytes: int  # sharded master parameters, gradients and optimizer states (fp32)
+    # the trained parameters' shards, their gradients and optimizer states: fp32, or the
+    # parameter dtype where nothing upcasts them (``Scenario.master_dtype``)
+    master_dtype: str
     param_dtype: str
     param_bytes: int
     reduce_dtype: str
@@ -90,6 +93,10 @@ class StepConfig:
     experts_per_layer: int = 0
     expert_modules: frozenset[str] = frozenset()
     dispatch_bytes: int = 0
+
+    @property
+    def master_bytes(self) -> int:
+        return dtype_bytes(self.master_dtype)
 
     @property
     def host_costs(self) -> HostCosts:

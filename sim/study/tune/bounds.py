@@ -84,11 +84,11 @@ def step_time_lower_bound_s(step: StepConfig) -> float:
     numel = numel_per_rank(step)
     if not step.sharded:
         per_mb += costs.copy_s(numel * step.master_bytes)  # the reducer's bucket copy-out
-        return step.grad_accum * per_mb + costs.optimizer_s(numel)
+        return step.grad_accum * per_mb + costs.optimizer_s(numel, step.master_bytes)
     padded = [_padded(step, u) for u in step.units]
     copy_out = sum(costs.copy_s(n * step.param_bytes) for n in padded)  # forward, every unit
     if step.reshard_after_forward:  # backward re-gathers every non-root unit
         copy_out += sum(costs.copy_s(n * step.param_bytes) for n in padded[:-1])
     copy_in = sum(costs.copy_s(n * max(step.param_bytes, step.reduce_bytes)) for n in padded)
     per_mb += copy_out + copy_in
-    return step.grad_accum * per_mb + costs.optimizer_s(numel)
+    return step.grad_accum * per_mb + costs.optimizer_s(numel, step.master_bytes)
