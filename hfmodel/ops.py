@@ -65,11 +65,16 @@ def _useful(op: OpRecord) -> bool:
 
 
 def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[str]) -> list[dict[str, Any]]:
-    """One dict per useful op; an op that does nothing hands its host calls to the next."""
+    """One dict per useful op; an op that does nothing hands its host calls (and its backward,
+    where it is the first to save a storage: ``_released_ahead``) to the next."""
     out: list[dict[str, Any]] = []
+    sources: list[OpRecord] = []
+    entry_of: dict[int, int] = {}  # trace op -> the entry that stands for it
+    waiting: list[int] = []
     host, after_head, call_iter = 0, False, iter(calls)
     for op in ops:
         host += op.host_ops
+        waiting.append(op.index)
         kind = _kind(op, direct_3d, after_head)
         attention = next(call_iter) if kind == "attention" else None
         if kind == "linear" and op.gemms and op.owner.endswith("lm_head"):
@@ -99,8 +104,25 @@ def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[st
                 "host_ops": host,
             }
         )
-        host = 0
+        sources.append(op)
+        entry_of.update((i, len(out) - 1) for i in waiting)
+        host, waiting = 0, []
+    for entry, op in zip(out, sources, strict=True):
+        entry["saved_released_ahead"] = _released_ahead(op, entry_of)
     return out
+
+
+def _released_ahead(op: OpRecord, entry_of: dict[int, int]) -> list[list[int]]:
+    """Of an op's saved storages, those a later op's backward frees: autograd drops a saved
+    storage when the last of its savers' backwards has run, its first saver's; as ``[entries
+    ahead, bytes]`` (the op's own backward frees the rest)."""
+    here = entry_of[op.index]
+    ahead: dict[int, int] = {}
+    for nbytes, savers in op.saved_by:
+        first = entry_of.get(min(savers, default=op.index), here)
+        if first > here and nbytes:
+            ahead[first - here] = ahead.get(first - here, 0) + nbytes
+    return [[d, n] for d, n in sorted(ahead.items())]
 
 
 def _rename(entry: dict[str, Any], old: str, new: str, block: int) -> dict[str, Any]:

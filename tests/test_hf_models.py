@@ -94,6 +94,27 @@ def test_a_described_llama_matches_the_hand_written_one() -> None:
     assert units[0] == units[1]
 
 
+def test_a_save_is_released_by_its_first_savers_backward(tmp_path: Path) -> None:
+    """The input norm's output (2 x 32 tokens x 64 bf16) is saved by q, k and v projections: the
+    last of their backwards to run, q_proj's, frees it (``saved_released_ahead``); a description
+    whose pairs are not positive or exceed the op's saved bytes is one clear line."""
+    from hfmodel.describe import describe
+
+    path = DATA / "tiny-llama.json"
+    data = describe(json.loads(path.read_text()), micro_batch=2, seq_len=32, dtype="bf16", name="t")
+    ops = data["ops"]
+    norm = next(i for i, o in enumerate(ops) if o["module"] == "model.layers.0.input_layernorm")
+    assert [(ops[norm + d]["module"], n) for d, n in ops[norm]["saved_released_ahead"]] == [
+        ("model.layers.0.self_attn.q_proj", 2 * 32 * 64 * 2)
+    ]
+    assert all(sum(n for _, n in o["saved_released_ahead"]) <= o["saved_bytes"] for o in ops)
+    for bad, message in (([[0, 8]], "positive integers"), ([[1, 10**9]], "more bytes than saved_bytes")):
+        broken = json.loads(json.dumps(data))
+        broken["ops"][norm]["saved_released_ahead"] = bad
+        with pytest.raises(UserError, match=rf"t.json: ops\[{norm}\]: saved_released_ahead.*{message}"):
+            parse_description(broken, "t.json")
+
+
 @pytest.mark.parametrize(("dtype", "kept"), [("fp32", True), ("bf16", False)])
 def test_what_ops_after_a_block_save_of_it_is_measured(dtype: str, kept: bool) -> None:
     """Each block's output is saved by the next block's (or the final) RMSNorm in fp32, where its

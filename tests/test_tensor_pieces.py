@@ -96,3 +96,75 @@ def test_zero3s_recompute_allocates_the_tensors_too(zero3_ckpt) -> None:  # type
         assert saved.pieces == figure.tensors("saved") and sum(saved.pieces) == saved.bytes
         assert temp.pieces == figure.tensors("forward_transient")
     assert any(len(op.allocs[0].pieces) > 1 for op in recomputes)
+
+
+def test_a_backward_holds_the_gradients_its_later_ops_made() -> None:
+    """``SegmentFigures.backward_held``: at each op the transient beyond the saved bytes plus the
+    gradients of the ops after it (already run in backward), at their share of what the system
+    keeps; the largest wins, made of the op's tensors and one gradient per parameter."""
+    from sim.costs.compute import BackwardStep, SegmentFigures
+
+    fig = SegmentFigures(
+        forward_s=0.0,
+        backward_s=0.0,
+        recompute_s=0.0,
+        saved_bytes=0,
+        forward_transient_bytes=0,
+        backward_transient_bytes=900,
+        backward_transient_pieces=(600, 300),
+        backward_steps=(
+            BackwardStep(beyond_saved_bytes=500, pieces=(500,), later_grad_numels=(100, 200)),
+            BackwardStep(beyond_saved_bytes=900, pieces=(600, 300), later_grad_numels=(200,)),
+            BackwardStep(beyond_saved_bytes=50, later_grad_numels=()),
+        ),
+        grad_numel=350,  # the last op's own 50 elements are not yet made at any step
+    )
+    # 2 bytes an element: step 0 holds 500 + 600, step 1 900 + 400, step 2 50
+    assert fig.backward_held(700) == (1300, (600, 300, 400))
+    assert fig.backward_held(0) == (900, (600, 300))  # no gradients kept (frozen, later micro-batch)
+    # at 8 bytes an element the first op wins: one tensor for its transient, one per gradient
+    assert fig.backward_held(2800) == (500 + 2400, (500, 800, 1600))
+
+
+def test_saves_are_freed_by_their_first_savers_backward() -> None:
+    """``ComputeCosts.figures``: the schedule holds a segment's saved bytes through its backward;
+    beyond them, op j holds its transient less what backwards after it freed of those saves: its
+    later ops' own saves, a save whose first saver is a later op of the segment from that op's
+    backward on, and one whose first saver is in a later segment from the start."""
+    from sim.costs.compute import ComputeCosts, Roofline
+    from sim.workload.layers import LayerKind, LayerOp
+    from sim.workload.units import Segment
+
+    def op(name: str, saved: int, transient: int, ahead: tuple[tuple[int, int], ...] = ()) -> LayerOp:
+        return LayerOp(
+            name=name,
+            module=name,
+            kind=LayerKind.ELEMENTWISE,
+            block=0,
+            params=(),
+            flops=0.0,
+            memory_bytes=0.0,
+            saved_bytes=saved,
+            saved_released_ahead=ahead,
+            backward_transient_bytes=transient,
+        )
+
+    costs = ComputeCosts(
+        kernels=Roofline(flops_per_s=1e12, hbm_Bps=1e12),
+        attention_kernel="sdpa",
+        copy_Bps=1e12,
+        optimizer_s_per_element=0.0,
+    )
+    # a's 100 saved bytes: 60 its own, 30 freed by c's backward (2 ahead), 10 by an op past the end
+    ops = (op("a", 100, 10, ((2, 30), (5, 10))), op("b", 20, 500), op("c", 40, 50))
+    steps = costs.figures(Segment(unit="u", ops=ops)).backward_steps
+    # c runs first: only the 10 freed elsewhere; b: c's 40 and the 30 too; a: b's 20 besides
+    assert [s.beyond_saved_bytes for s in steps] == [10 - 10 - 30 - 40 - 20, 500 - 10 - 30 - 40, 50 - 10]
+    assert costs.figures(Segment(unit="u", ops=ops)).backward_transient_bytes == 420
+    # without the measurement each op's saves are its own: as the hand-written ops are counted
+    plain = tuple(op(o.name, o.saved_bytes, o.backward_transient_bytes) for o in ops)
+    assert [s.beyond_saved_bytes for s in costs.figures(Segment(unit="u", ops=plain)).backward_steps] == [
+        10 - 60,
+        500 - 40,
+        50,
+    ]

@@ -485,7 +485,8 @@ class ScheduleBuilder:
         extra_frees: tuple[str, ...] = (),
     ) -> int:
         """Segment ``i``'s backward: it frees the activations it consumes (and, first in its block,
-        the block's kept input) and leaves ``end_allocs`` (its gradients) behind."""
+        the block's kept input) and leaves ``end_allocs`` (its gradients) behind; while it runs it
+        holds its ops' transient and the gradients its later ops made (``backward_held``)."""
         seg, fig = self.cfg.segments[i], self.cfg.figures[i]
         transient = self.label("backward_temp", seg.unit, mb)
         frees = [
@@ -515,6 +516,10 @@ class ScheduleBuilder:
                 *end_allocs,
                 Alloc(label=cache, category=MemoryCategory.ACTIVATIONS, bytes=cfg.kv_cache_bytes[seg.block]),
             )
+        # the gradients the segment's ops make before its last op's backward are alive beside it
+        held_bytes, held_pieces = fig.backward_held(
+            sum(a.bytes for a in end_allocs if a.category is MemoryCategory.GRADS)
+        )
         return self.compute(
             OpKind.BACKWARD,
             seg.name,
@@ -522,12 +527,7 @@ class ScheduleBuilder:
             mb,
             fig.backward_s,
             allocs=(
-                Alloc(
-                    label=transient,
-                    category=MemoryCategory.OTHER,
-                    bytes=fig.backward_transient_bytes,
-                    pieces=fig.tensors("backward_transient"),
-                ),
+                Alloc(label=transient, category=MemoryCategory.OTHER, bytes=held_bytes, pieces=held_pieces),
             ),
             frees=tuple(frees),
             end_allocs=end_allocs,

@@ -189,6 +189,7 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, masks: 
         memory_bytes=op.memory_bytes,
         saved_bytes=op.saved_bytes,
         saved_after_block_bytes=op.saved_after_block_bytes,
+        saved_released_ahead=op.saved_released_ahead,
         forward_transient_bytes=op.forward_transient_bytes,
         backward_transient_bytes=op.backward_transient_bytes,
         checkpointed_forward_bytes=op.checkpointed_forward_bytes if op.block is not None else None,

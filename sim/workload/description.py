@@ -34,8 +34,8 @@ from sim.workload.params import ParamSpec
 # ``softcap`` (a version 3 file of Gemma 2 would read as uncapped); 6: attention calls'
 # ``backward_start_bytes``; 7: block ops' ``checkpointed_forward_bytes``; 8: every byte figure's
 # tensors (``saved_pieces``, ``forward_transient_pieces``, ``checkpointed_forward_pieces``,
-# ``backward_transient_pieces``)
-DESCRIPTION_VERSION = 8
+# ``backward_transient_pieces``); 9: ops' ``saved_released_ahead``
+DESCRIPTION_VERSION = 9
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -77,6 +77,8 @@ class DescribedOp:
     backward_transient_bytes: int
     # of saved_bytes, what ops after its block save (a checkpointed block's output they keep)
     saved_after_block_bytes: int = 0
+    # of saved_bytes, those a later op's backward frees (their first saver's): (ops ahead, bytes)
+    saved_released_ahead: tuple[tuple[int, int], ...] = ()
     # a block op's: what its block's ops hold during it when the block is checkpointed (nothing
     # saved: each storage to its last forward use), the attention kernel's own work excepted
     checkpointed_forward_bytes: int = 0
@@ -178,6 +180,24 @@ def _pieces(r: "_Reader", figure: str, where: str) -> tuple[int, ...]:
     return tuple(pieces)
 
 
+def _released_ahead(r: "_Reader", where: str) -> tuple[tuple[int, int], ...]:
+    """``saved_released_ahead``: [ops ahead, bytes] pairs of positive integers, within the op's
+    saved bytes."""
+    raw = r.get("saved_released_ahead", list)
+    if not all(
+        isinstance(p, list)
+        and len(p) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in p)
+        for p in raw
+    ):
+        raise UserError(
+            f"{where}: saved_released_ahead entries must be [ops ahead, bytes] of positive integers"
+        )
+    if sum(p[1] for p in raw) > r.get("saved_bytes", int):
+        raise UserError(f"{where}: saved_released_ahead holds more bytes than saved_bytes")
+    return tuple((p[0], p[1]) for p in raw)
+
+
 def _op(raw: Any, where: str) -> DescribedOp:
     r = _Reader(raw, where)
     att = raw.get("attention")
@@ -207,6 +227,7 @@ def _op(raw: Any, where: str) -> DescribedOp:
         memory_bytes=float(r.get("memory_bytes", (int, float))),
         saved_bytes=r.get("saved_bytes", int),
         saved_after_block_bytes=r.get("saved_after_block_bytes", int),
+        saved_released_ahead=_released_ahead(r, where),
         forward_transient_bytes=r.get("forward_transient_bytes", int),
         backward_transient_bytes=r.get("backward_transient_bytes", int),
         checkpointed_forward_bytes=r.get("checkpointed_forward_bytes", int),

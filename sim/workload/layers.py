@@ -148,6 +148,9 @@ class LayerOp:
     # of saved_bytes, what ops after its block save: a checkpointed block keeps these where the
     # region after it is not checkpointed (measured for described models; 0 for the analytic ones)
     saved_after_block_bytes: int = 0
+    # of saved_bytes, those a later op's backward frees, as (ops ahead, bytes): a storage lives
+    # until its first saver's backward (measured for described models); the rest its own frees
+    saved_released_ahead: tuple[tuple[int, int], ...] = ()
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
     # what its block holds during it when the block is checkpointed (measured for described
