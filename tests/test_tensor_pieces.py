@@ -2,11 +2,12 @@
 carries the tensors it is made of, the schedule allocates a segment's saved activations and
 transients as those tensors, and the caching allocator's replay serves them one by one."""
 
+import math
 from pathlib import Path
 
 import pytest
 
-from sim.core.events import MemoryCategory
+from sim.core.events import MemoryCategory, OpKind
 from sim.scenario.loader import load_scenario
 from sim.simulate import simulate
 
@@ -168,3 +169,29 @@ def test_saves_are_freed_by_their_first_savers_backward() -> None:
         500 - 40,
         50,
     ]
+
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_foreach_adamws_temporaries_are_one_per_tensor_it_steps(fsdp_version: int) -> None:
+    """``torch._foreach_sqrt(exp_avg_sqs)``: one temporary per tensor, each its tensor's size:
+    FSDP1's flat-parameter shards (one per unit), FSDP2's local shards (one per parameter)."""
+    from sim.schedule.model_state import numel_per_rank
+
+    root = Path(__file__).resolve().parent.parent
+    result = simulate(
+        load_scenario(root / "scenarios" / "tiny.toml", [f"parallel.fsdp_version={fsdp_version}"])
+    )
+    step = result.step
+    (op,) = [o for o in result.program.ops if o.kind is OpKind.OPTIMIZER]
+    (temp,) = op.allocs
+    w = step.shard_size
+    if fsdp_version == 1:
+        expected = [step.padded_numel(u) // w * 4 for u in step.units]
+    else:
+        expected = [
+            math.ceil(p.shape[0] / w) * w * math.prod(p.shape[1:]) // w * 4
+            for u in step.units
+            for p in u.params
+        ]
+    assert list(temp.pieces) == expected and len(expected) > 1
+    assert temp.bytes == numel_per_rank(step) * 4

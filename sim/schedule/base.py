@@ -13,7 +13,7 @@ from sim.core.events import MemoryCategory, OpKind, Stream
 from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.dtypes import dtype_bytes
-from sim.schedule.model_state import numel_per_rank, resident_allocs
+from sim.schedule.model_state import numel_per_rank, optimizer_tensor_numels, resident_allocs
 from sim.schedule.step import StepConfig
 from sim.workload.layers import LayerKind
 from sim.workload.options import OptimizerName
@@ -560,19 +560,23 @@ class ScheduleBuilder:
 
     def optimizer_step(self) -> None:
         """One step over the parameters this rank holds; ``zero_grad(set_to_none=True)`` after it.
-        foreach AdamW holds one fp32 temporary per parameter (the sqrt of exp_avg_sq)."""
+        foreach AdamW holds one temporary per tensor it steps, in the states' dtype
+        (``torch._foreach_sqrt(exp_avg_sqs)``, torch 2.13 ``optim/adamw.py``): as many allocations,
+        each the size of its tensor, which the caching allocator fits into the holes backward left."""
         cfg = self.cfg
         if cfg.grad_scaler:
             self.grad_scaler_unscale()
         numel = numel_per_rank(cfg)
         temp = "optimizer_temp"
-        temp_bytes = numel * cfg.master_bytes if cfg.optimizer is OptimizerName.ADAMW else 0
+        adamw = cfg.optimizer is OptimizerName.ADAMW
+        pieces = tuple(n * cfg.master_bytes for n in optimizer_tensor_numels(cfg) if n) if adamw else ()
+        temp_bytes = sum(pieces)
         self.compute(
             OpKind.OPTIMIZER,
             "optimizer step",
             ROOT,
             cfg.grad_accum - 1,
             cfg.costs.optimizer_s(numel, cfg.master_bytes),
-            allocs=(Alloc(label=temp, category=MemoryCategory.OTHER, bytes=temp_bytes),),
+            allocs=(Alloc(label=temp, category=MemoryCategory.OTHER, bytes=temp_bytes, pieces=pieces),),
             frees=(temp, *self.grad_labels),
         )

@@ -95,6 +95,20 @@ def numel_per_rank(step: StepConfig) -> int:
     return sum(unit_numel_per_rank(step, u) for u in step.units)
 
 
+def optimizer_tensor_numels(step: StepConfig) -> tuple[int, ...]:
+    """The tensors the optimizer steps on this rank, their element counts (summing to
+    ``numel_per_rank``): FSDP1's flat-parameter shards, one per trained unit; FSDP2's local shards
+    and DDP's parameters, one per trainable parameter; ZeRO's partition as one."""
+    if step.zero is not None:
+        return (numel_per_rank(step),)
+    w = _shard_size(step)
+    if step.fsdp1 is not None:
+        return tuple(unit_numel_per_rank(step, u) for u in step.units if fsdp1_unit_trains(u))
+    if step.expert_params:
+        return tuple(n // s for u in step.units for n, s in map(step.param_sharding, u.params) if n)
+    return tuple(padded_numel(p, w) // w for u in step.units for p in u.params if p.trainable)
+
+
 def model_state(step: StepConfig) -> ModelState:
     if step.zero is not None:
         from sim.schedule.zero_state import zero_state
