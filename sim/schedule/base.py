@@ -569,7 +569,7 @@ class ScheduleBuilder:
         numel = numel_per_rank(cfg)
         temp = "optimizer_temp"
         adamw = cfg.optimizer is OptimizerName.ADAMW
-        pieces = tuple(n * cfg.master_bytes for n in optimizer_tensor_numels(cfg) if n) if adamw else ()
+        pieces = tuple(n * cfg.master_bytes for n in optimizer_tensor_numels(cfg)) if adamw else ()
         temp_bytes = sum(pieces)
         self.compute(
             OpKind.OPTIMIZER,

@@ -66,15 +66,23 @@ def fsdp1_unit_trains(unit: WrapUnit) -> bool:
     return any(p.trainable for p in unit.params)
 
 
+def unit_tensor_numels_per_rank(step: StepConfig, unit: WrapUnit) -> tuple[int, ...]:
+    """The tensors of ``unit`` one rank holds with gradients and optimizer states, their element
+    counts: FSDP1's one flat-parameter shard, FSDP2's padded shard of each trainable parameter,
+    each whole under NO_SHARD."""
+    w = _shard_size(step)
+    if step.fsdp1 is not None:  # one FlatParameter, trained or frozen as a whole
+        return (step.padded_numel(unit) // w,) if fsdp1_unit_trains(unit) else ()
+    if step.expert_params:  # expert parallelism (full training only): local experts over world / E
+        return tuple(n // s for n, s in map(step.param_sharding, unit.params))
+    # dim 0 padded to a multiple of w: every shard is exactly 1/w of it
+    return tuple(padded_numel(p, w) // w for p in unit.params if p.trainable)
+
+
 def unit_numel_per_rank(step: StepConfig, unit: WrapUnit) -> int:
     """Trainable elements of ``unit`` one rank holds (those with gradients and optimizer states):
     its padded shard under FSDP, all of it under NO_SHARD."""
-    w = _shard_size(step)
-    if step.fsdp1 is not None:  # one FlatParameter, trained or frozen as a whole
-        return step.padded_numel(unit) // w if fsdp1_unit_trains(unit) else 0
-    if step.expert_params:  # expert parallelism (full training only): local experts over world / E
-        return sum(n // s for n, s in map(step.param_sharding, unit.params))
-    return sum(padded_numel(p, w) for p in unit.params if p.trainable) // w
+    return sum(unit_tensor_numels_per_rank(step, unit))
 
 
 def unit_frozen_bytes_per_rank(step: StepConfig, unit: WrapUnit) -> int:
@@ -97,16 +105,11 @@ def numel_per_rank(step: StepConfig) -> int:
 
 def optimizer_tensor_numels(step: StepConfig) -> tuple[int, ...]:
     """The tensors the optimizer steps on this rank, their element counts (summing to
-    ``numel_per_rank``): FSDP1's flat-parameter shards, one per trained unit; FSDP2's local shards
-    and DDP's parameters, one per trainable parameter; ZeRO's partition as one."""
+    ``numel_per_rank``): each unit's (``unit_tensor_numels_per_rank``), empty ones left out; ZeRO's
+    partition as one."""
     if step.zero is not None:
         return (numel_per_rank(step),)
-    w = _shard_size(step)
-    if step.fsdp1 is not None:
-        return tuple(unit_numel_per_rank(step, u) for u in step.units if fsdp1_unit_trains(u))
-    if step.expert_params:
-        return tuple(n // s for u in step.units for n, s in map(step.param_sharding, u.params) if n)
-    return tuple(padded_numel(p, w) // w for u in step.units for p in u.params if p.trainable)
+    return tuple(n for u in step.units for n in unit_tensor_numels_per_rank(step, u) if n)
 
 
 def model_state(step: StepConfig) -> ModelState:
