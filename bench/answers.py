@@ -670,8 +670,10 @@ def qlora_offload() -> str:
     unlimited = report(QLORA_OFFLOAD, "fsdp1.limit_all_gathers=false")
     prefetched = report(QLORA_OFFLOAD, "fsdp1.forward_prefetch=true")
     claim(
-        not unlimited.fits and unlimited.step_time_s < with_.step_time_s,
-        "Without the limiter ... does not fit",
+        unlimited.fits
+        and unlimited.step_time_s < with_.step_time_s
+        and unlimited.peak_memory_bytes > 1.5 * with_.peak_memory_bytes,
+        "Without the limiter ... still fits",
     )
     claim(prefetched.fits and prefetched.step_time_s < with_.step_time_s, "forward_prefetch = true gives")
     claim(with_.fits and not without.fits, "with its CPU offload it fits (without, it does not)")
@@ -697,8 +699,10 @@ def qlora_offload() -> str:
         previous block's last adapter, near that block's end; and backward prefetch targets the
         unit that ran just before in forward, the block's own last adapter, so the block before it
         is gathered only when the block's first adapter starts its backward. Without the
-        limiter the step takes {t(unlimited.step_time_s, 0)} but the host runs ahead and gathers
-        {gib(unlimited.peak_memory_bytes)} a card, which does not fit (why the recipe sets it);
+        limiter the step takes {t(unlimited.step_time_s, 0)} but the host runs ahead, as far as the
+        launch queue's thousand kernels let it, and the all-gathers with it:
+        {gib(unlimited.peak_memory_bytes)} allocated a card, {gib(unlimited.peak_reserved_bytes)}
+        reserved, which still fits;
         `fsdp1.forward_prefetch = true` gives {t(prefetched.step_time_s, 0)} at
         {gib(prefetched.peak_memory_bytes)}.        Then torch's AdamW over the rank's
         {host.duration_s / rate / 1e6:.0f}M adapter parameters on the CPU takes

@@ -182,11 +182,11 @@ COOKBOOK_70B_NOTE = (
     "as llama-recipes of August 2023 ran it: FSDP1 FULL_SHARD, mixed_precision=None over model.to(bf16) "
     "(AdamW's states bf16), each LlamaDecoderLayer a unit, limit_all_gathers=True, every decoder layer "
     "checkpointed, batch 1 x 2048 tokens (samsum packed by Concatenator(chunk_size=2048)), "
-    "torch.optim.AdamW, transformers 4.31's eager Llama; the two nodes assumed AWS p4d (memory does not "
-    "depend on the network). Its figures are byte2gb's, whole GiB rounded down. Peak active exceeds "
-    "allocated by 17 GiB, most likely (fake mode has no streams to show it) blocks the host has freed whose reuse waits for the queued reduce-scatters "
-    "(record_stream) until the optimizer step; the simulator allocates when the GPU reaches an op, not "
-    "when the host frees, so it predicts allocated, not active (not modelled)"
+    "torch.optim.AdamW, transformers 4.31's eager Llama; the two nodes assumed AWS p4d (allocated memory does "
+    "not depend on the network; active does: it holds what the device has not yet reduced). Its figures are "
+    "byte2gb's, whole GiB rounded down. Peak active exceeds allocated by 17 GiB: blocks the host has "
+    "freed whose reuse waits, by record_stream, for the device's compute and post-backward streams to "
+    "pass them (fake mode has no streams to show it)"
 )
 
 
@@ -270,9 +270,10 @@ def _shown(published: float, whole_gib: bool) -> str:
 
 def _memory_row(run: PublishedMemoryRun) -> tuple[str, list[float]]:
     r = predict_tables(run.name, run.tables)
-    allocated, reserved = r.peak_memory_bytes / GIB, r.peak_reserved_bytes / GIB
+    allocated, active = r.peak_memory_bytes / GIB, r.peak_active_bytes / GIB
+    reserved = r.peak_reserved_bytes / GIB
     whole = run.whole_gib
-    errors = [_error(allocated, run.active_gib, whole), _error(reserved, run.reserved_gib, whole)]
+    errors = [_error(active, run.active_gib, whole), _error(reserved, run.reserved_gib, whole)]
     if run.allocated_gib is not None:
         errors.append(_error(allocated, run.allocated_gib, whole))
         published_allocated = f"{_shown(run.allocated_gib, whole)} | {errors[-1]:+.1%}"
@@ -284,8 +285,9 @@ def _memory_row(run: PublishedMemoryRun) -> tuple[str, list[float]]:
         else "— | —"
     )
     return (
-        f"| {run.name} | {allocated:.2f} | {here} | {published_allocated} | {_shown(run.active_gib, whole)} | "
-        f"{errors[0]:+.1%} | {reserved:.2f} | {_shown(run.reserved_gib, whole)} | {errors[1]:+.1%} |",
+        f"| {run.name} | {allocated:.2f} | {here} | {published_allocated} | {active:.2f} | "
+        f"{_shown(run.active_gib, whole)} | {errors[0]:+.1%} | {reserved:.2f} | {_shown(run.reserved_gib, whole)} | "
+        f"{errors[1]:+.1%} |",
         errors,
     )
 
@@ -301,13 +303,15 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
     lines = [
         "### Peak memory (development set)",
         "",
-        "Predicted peak allocated against the published peak allocated and active, predicted peak reserved "
-        "(the caching allocator's model, `sim/outputs/allocator.py`) against the published reserved, and the "
-        "predicted allocated against the source's own code run here; GiB.",
+        "Predicted peak allocated (what the kernels hold as the device runs them) against the published "
+        "peak allocated and the source's own code run here; predicted peak active and reserved (the caching "
+        "allocator's view: its requests in the order the host makes them, a block freed while another stream "
+        "still uses it held until that stream passes, `sim/core/host_clock.py`; the allocator's model, "
+        "`sim/outputs/allocator.py`) against the published active and reserved; GiB.",
         "",
         "| run | predicted allocated | the source's code run here | error | published allocated | error | "
-        "published active | error | predicted reserved | published reserved | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "predicted active | published active | error | predicted reserved | published reserved | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     errors: list[float] = []
     for run in runs:
@@ -330,8 +334,15 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "source prints whole GiB): the allocations of that code reproduce the published peaks, so the "
         "remaining error is the simulator's. The third row's rate-limiter effect cannot be run here (the "
         "fake group's collectives return at once). The 70B row's active is 17 GiB above its allocated, "
-        "which no allocated figure, the code run here included, reaches: what the simulator does not model "
-        "(see its note).",
+        "which no allocated figure, the code run here included, reaches: FSDP1 frees its unsharded flat "
+        "parameters and flat gradients with `record_stream` (the compute and post-backward streams), so a "
+        "block the host has dropped stays active until the device gets there, and the host runs ahead of "
+        "the device as far as the rate limiter and the launch queue let it (`LAUNCH_QUEUE_DEPTH`, "
+        "`sim/schedule/base.py`). The simulator's active peak of that row is at the optimizer step's foreach "
+        "temporaries, issued while the device is still reducing the last units: 7.35 GiB of flat gradients "
+        "and 5.76 GiB of unsharded parameters held for the device (the source's 17, of an unpublished "
+        "network; the two nodes assumed AWS p4d). The LoRA rows have almost no gradients to hold: their "
+        "active is their allocated in the host's order, which the code run here measures.",
         "",
         "The source's own allocations through the allocator model: `python -m validation.allocator_replay "
         "--memory-row N --site DIR` logs every storage that code allocates and frees in its step, in order "
@@ -349,7 +360,9 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "(see that row's note). So the allocator model, fed the real sequence, reserves 7-11 % less than the "
         "GPU did in the LoRA rows; replaying the step twice changes nothing for the first row, so what it "
         "misses is not the step's own reuse; candidates, none identified: the segments FSDP1's initialisation "
-        "leaves cached, reuse deferred by `record_stream` across streams, allocations fake mode cannot see. "
+        "leaves cached, reuse deferred by `record_stream` across streams (the simulator's replay holds those "
+        "blocks; this log, taken where nothing runs behind the host, cannot), allocations fake mode cannot "
+        "see. "
         "The simulator now allocates a segment's saved activations and transients as the tensors they are "
         "made of (the tracer's storages; the eager attention's fp32 softmax and its bf16 cast as two), where it "
         "allocated each as one block of up to 5.4 GiB, and its memory records name the stream that allocates "

@@ -8,13 +8,14 @@ each collective then starts as soon as rank 0 reaches it, which is exactly when 
 """
 
 from collections.abc import Callable, Generator, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import simpy
 
 from sim.core import vector_engine
 from sim.core.events import EventTable, MemoryCategory, MemoryRecord, OpKind, OpRecord, Stream
+from sim.core.host_clock import HostClock
 from sim.core.links import Flow, SharedLinks
 from sim.core.program import Alloc, Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
@@ -125,6 +126,7 @@ class Engine:
         self.computing: dict[int, simpy.Process] = {}  # rank -> process inside a compute op
         self.ops: list[OpRecord] = []
         self.memory: list[MemoryRecord] = []
+        self.memory_op: list[int] = []  # the op that made each memory record (-1: resident)
         self.done = {r: [self.env.event() for _ in program.ops] for r in self.ranks}
         self.live: dict[int, dict[str, tuple[MemoryCategory, int]]] = {r: {} for r in self.ranks}
         self.group_seq: dict[int, dict[object, int]] = {r: {} for r in self.ranks}
@@ -133,7 +135,7 @@ class Engine:
     def run(self) -> EventTable:
         for rank in self.ranks:
             for alloc in self.program.initial:
-                self._alloc(rank, alloc, Stream.COMPUTE)
+                self._alloc(rank, alloc, Stream.COMPUTE, -1)
             for ops in self._queues():
                 self.env.process(self._stream(rank, ops))
         self.env.run()
@@ -141,8 +143,31 @@ class Engine:
             world_size=self.topology.world_size,
             simulated_ranks=tuple(self.ranks),
             ops=tuple(self.ops),
-            memory=tuple(self.memory),
+            memory=tuple(self._memory_in_host_time()),
         )
+
+    def _memory_in_host_time(self) -> list[MemoryRecord]:
+        """The memory records with the time the caching allocator sees each (``host_s``); where the
+        host is the device (``serial``) that is the device's time, left as it is."""
+        if self.serial:
+            return self.memory
+        clock = HostClock.of(self.program)
+        ends = {r: [0.0] * len(self.program.ops) for r in self.ranks}
+        for op in self.ops:
+            ends[op.rank][op.op_id] = op.end_s
+        return [
+            replace(
+                rec,
+                host_s=clock.allocator_s(
+                    op_id=op_id,
+                    label=rec.label,
+                    delta_bytes=rec.delta_bytes,
+                    device_s=rec.time_s,
+                    end_of=ends[rec.rank].__getitem__,
+                ),
+            )
+            for rec, op_id in zip(self.memory, self.memory_op, strict=True)
+        ]
 
     def _queues(self) -> list[list[ProgramOp]]:
         """Ops per stream in issue order. On a serial backend everything the host waits for shares
@@ -162,9 +187,9 @@ class Engine:
                 yield self.env.all_of(waiting)
             ready = self.env.now
             for label in op.start_frees:
-                self._free(rank, label)
+                self._free(rank, label, op.op_id)
             for alloc in op.allocs:
-                self._alloc(rank, alloc, op.stream)
+                self._alloc(rank, alloc, op.stream, op.op_id)
             duration = self.duration(rank, op)
             if op.group is not None:
                 gid, simulated_members, group_size = self._group(op.group, rank)
@@ -184,9 +209,9 @@ class Engine:
                     yield self.env.timeout(duration)
                 group_size = 1
             for label in op.frees:
-                self._free(rank, label)
+                self._free(rank, label, op.op_id)
             for alloc in op.end_allocs:
-                self._alloc(rank, alloc, op.stream)
+                self._alloc(rank, alloc, op.stream, op.op_id)
             self.ops.append(
                 OpRecord(
                     rank=rank,
@@ -240,12 +265,13 @@ class Engine:
             if process is not None and process.is_alive:
                 process.interrupt()  # its rate changes: it recomputes its remaining time
 
-    def _alloc(self, rank: int, alloc: Alloc, stream: Stream) -> None:
+    def _alloc(self, rank: int, alloc: Alloc, stream: Stream, op_id: int) -> None:
         label, category, nbytes = alloc.label, alloc.category, alloc.bytes
         if label in self.live[rank]:
             raise RuntimeError(f"buffer {label!r} allocated twice on rank {rank}")
         self.live[rank][label] = (category, nbytes)
         if nbytes > 0:
+            self.memory_op.append(op_id)
             self.memory.append(
                 MemoryRecord(
                     rank=rank,
@@ -258,11 +284,12 @@ class Engine:
                 )
             )
 
-    def _free(self, rank: int, label: str) -> None:
+    def _free(self, rank: int, label: str, op_id: int) -> None:
         if label not in self.live[rank]:
             raise RuntimeError(f"buffer {label!r} freed on rank {rank} but not allocated")
         category, nbytes = self.live[rank].pop(label)
         if nbytes > 0:
+            self.memory_op.append(op_id)
             self.memory.append(
                 MemoryRecord(
                     rank=rank, time_s=self.env.now, category=category, delta_bytes=-nbytes, label=label

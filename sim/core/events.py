@@ -89,8 +89,9 @@ class OpRecord:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryRecord:
-    """One allocation (``delta_bytes`` > 0) or free (< 0) of a labelled buffer on one rank; an
-    allocation names the stream it was made on (the caching allocator keeps a pool per stream)."""
+    """One allocation (``delta_bytes`` > 0) or free (< 0) of a labelled buffer on one rank, at the
+    device's time (``time_s``: what the kernels hold as they run); an allocation names the stream
+    it was made on (the caching allocator keeps a pool per stream)."""
 
     rank: int
     time_s: float
@@ -99,6 +100,13 @@ class MemoryRecord:
     label: str
     stream: Stream = Stream.COMPUTE
     pieces: tuple[int, ...] = ()  # an allocation's tensors (``sim.core.program.Alloc.pieces``)
+    # when the caching allocator sees it, in the host's order (``sim.core.host_clock``); None where
+    # the host is the device and its time is ``time_s``
+    host_s: float | None = None
+
+    @property
+    def allocator_s(self) -> float:
+        return self.time_s if self.host_s is None else self.host_s
 
 
 class _Ranked(Protocol):

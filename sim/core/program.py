@@ -21,6 +21,11 @@ class Alloc:
     category: MemoryCategory
     bytes: int
     pieces: tuple[int, ...] = ()
+    # used on another stream than the one that allocates it, announced by ``Tensor.record_stream``
+    # (FSDP1's unsharded flat parameters and flat gradients): the caching allocator takes the block
+    # back only once the recording stream has passed the free (``insert_events``), however early
+    # the host drops it; without it a block is reusable, in stream order, once the host drops it
+    record_stream: bool = False
 
     def __post_init__(self) -> None:
         if self.pieces and sum(self.pieces) != self.bytes:
@@ -59,6 +64,7 @@ class ProgramOp:
     # issued asynchronously by the host (DDP's reducer): it overlaps the host's work even on a
     # backend whose blocking collectives serialise everything else (gloo)
     host_async: bool = False
+    launches: int = 0  # kernels the host launches for it, where the schedule counts them
 
 
 @dataclass
@@ -67,6 +73,10 @@ class Program:
 
     ops: list[ProgramOp] = field(default_factory=list)
     initial: list[Alloc] = field(default_factory=list)  # resident before the step starts
+    # the host's position (its latest op) when a later host action dropped a buffer that frees at
+    # an op written earlier (``add_frees``): when the caching allocator hears of that free
+    host_drops: dict[str, int] = field(default_factory=dict)
+    last_host_op: int = -1  # the latest op on the host stream (-1: none yet)
 
     def emit(
         self,
@@ -89,6 +99,7 @@ class Program:
         channels: int = 0,
         wire_fraction: float = 0.0,
         host_async: bool = False,
+        launches: int = 0,
     ) -> int:
         """Append one op; returns its id (its index, which ``deps`` refer to)."""
         op = ProgramOp(
@@ -111,8 +122,11 @@ class Program:
             channels=channels,
             wire_fraction=wire_fraction,
             host_async=host_async,
+            launches=launches,
         )
         self.ops.append(op)
+        if stream is Stream.HOST:
+            self.last_host_op = op.op_id
         return op.op_id
 
     def add_frees(self, op_id: int, *labels: str) -> None:
@@ -121,3 +135,5 @@ class Program:
         callback)."""
         op = self.ops[op_id]
         self.ops[op_id] = replace(op, frees=op.frees + labels)
+        for label in labels:
+            self.host_drops[label] = self.last_host_op

@@ -33,6 +33,7 @@ from sim.core.events import (
     RankSummary,
     Stream,
 )
+from sim.core.host_clock import HostClock
 from sim.core.links import Flow, link_classes, max_min_rates
 from sim.core.program import Alloc, Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
@@ -343,7 +344,10 @@ def _peaks(ledger: _Ledger, solved: _Pass, n_ranks: int) -> np.ndarray:
     return peaks
 
 
-def _memory_records(ledger: _Ledger, solved: _Pass, rank: int) -> list[MemoryRecord]:
+def _memory_records(ledger: _Ledger, solved: _Pass, rank: int, clock: HostClock | None) -> list[MemoryRecord]:
+    """``rank``'s memory records in device-time order, each with the time the caching allocator
+    sees it (``clock``; None where the host is the device)."""
+    end_of = solved.end[:, rank].__getitem__
     records = [
         MemoryRecord(
             rank=rank,
@@ -358,15 +362,28 @@ def _memory_records(ledger: _Ledger, solved: _Pass, rank: int) -> list[MemoryRec
     ]
     times = _ledger_times(ledger, solved, np.array([rank]))[0]
     for k in _order(times, ledger):
+        device_s, delta = float(times[k]), int(ledger.delta[k])
+        host_s = (
+            None
+            if clock is None
+            else clock.allocator_s(
+                op_id=int(ledger.op_ids[k]),
+                label=ledger.label[k],
+                delta_bytes=delta,
+                device_s=device_s,
+                end_of=lambda op: float(end_of(op)),
+            )
+        )
         records.append(
             MemoryRecord(
                 rank=rank,
-                time_s=float(times[k]),
+                time_s=device_s,
                 category=ledger.category[k],
-                delta_bytes=int(ledger.delta[k]),
+                delta_bytes=delta,
                 label=ledger.label[k],
                 stream=ledger.stream[k],
                 pieces=ledger.pieces[k],
+                host_s=host_s,
             )
         )
     return records
@@ -431,7 +448,8 @@ def run_vectorized(
     last = solved.end.max(axis=0)
     ranks = materialize or tuple(sorted({0, int(last.argmax()), int(last.argmin()), int(peaks.argmax())}))
     ops = [rec for r in ranks for rec in _op_records(program, topology, solved, r)]
-    memory = [rec for r in ranks for rec in _memory_records(ledger, solved, r)]
+    clock = None if serial else HostClock.of(program)
+    memory = [rec for r in ranks for rec in _memory_records(ledger, solved, r, clock)]
     return EventTable(
         world_size=k,
         simulated_ranks=ranks,

@@ -110,6 +110,10 @@ class SegmentFigures:
     # the host's eager dispatch of the segment's ops (zero where the host is the device or unmodelled)
     forward_host_s: float = 0.0
     backward_host_s: float = 0.0
+    # the kernels the host launches for them: one per Python-level op forward, about twice as many
+    # backward (autograd's), as the dispatch times count them
+    forward_launches: int = 0
+    backward_launches: int = 0
     # of saved_bytes, what ops after the segment's block save (kept where that region is not checkpointed)
     saved_after_block_bytes: int = 0
     # op-level selective checkpointing: the outputs it keeps, and what it recomputes
@@ -284,6 +288,8 @@ class ComputeCosts:
             ),
             forward_host_s=sum(op.host_ops for op in seg.ops) * self.host_op_s,
             backward_host_s=2 * sum(op.host_ops for op in seg.ops) * self.host_op_s,
+            forward_launches=sum(op.host_ops for op in seg.ops),
+            backward_launches=2 * sum(op.host_ops for op in seg.ops),
             checkpointed_forward_bytes=None
             if checkpointed is None
             else checkpointed.checkpointed_forward_bytes,

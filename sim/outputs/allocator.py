@@ -185,12 +185,31 @@ class ReservedCurve:
         return max(self.reserved_bytes, default=0)
 
 
+def allocator_order(records: list[MemoryRecord]) -> list[MemoryRecord]:
+    """Memory records in the order the caching allocator sees them (``MemoryRecord.allocator_s``,
+    ``sim.core.host_clock``); at one time, in the device's order."""
+    return sorted(records, key=lambda rec: rec.allocator_s)
+
+
+def peak_active_bytes(table: EventTable, rank: int, *, workspace_bytes: int = 0) -> int:
+    """The caching allocator's peak active bytes on ``rank`` (``torch.cuda.memory_stats()``'s
+    ``active_bytes.all.peak`` less the 512 B rounding): its live blocks in the host's order, with
+    those freed while another stream still uses them (``record_stream``) held until it passes,
+    and the cuBLAS workspace."""
+    live = peak = workspace_bytes
+    for rec in allocator_order(table.memory_of(rank)):
+        live += rec.delta_bytes
+        peak = max(peak, live)
+    return peak
+
+
 def reserved_curve(
     table: EventTable, rank: int, capacity_bytes: int, *, expandable: bool = False, workspace_bytes: int = 0
 ) -> ReservedCurve:
-    """The caching allocator replayed over ``rank``'s allocations, the cuBLAS workspace first (it
-    is allocated through the allocator, once per stream that runs matmuls: the compute stream)."""
-    records = list(table.memory_of(rank))
+    """The caching allocator replayed over ``rank``'s allocations in the order it sees them, the
+    cuBLAS workspace first (it is allocated through the allocator, once per stream that runs
+    matmuls: the compute stream)."""
+    records = allocator_order(list(table.memory_of(rank)))
     if workspace_bytes:
         workspace = MemoryRecord(
             rank=rank,
@@ -200,7 +219,7 @@ def reserved_curve(
             label="cublas_workspace",
         )
         records.insert(0, workspace)
-    times = tuple(r.time_s for r in records)
+    times = tuple(r.allocator_s for r in records)
     if expandable:
         return ReservedCurve(times_s=times, reserved_bytes=tuple(expandable_steps(records)))
     allocator = CachingAllocator(capacity_bytes)

@@ -13,7 +13,7 @@ from typing import Any
 from sim.core.events import EventTable, MemoryCategory, OpKind
 from sim.core.topology import GroupKind
 from sim.costs.nccl import runtime_channels
-from sim.outputs.allocator import ReservedCurve, nccl_buffer_bytes, reserved_curve
+from sim.outputs.allocator import ReservedCurve, nccl_buffer_bytes, peak_active_bytes, reserved_curve
 from sim.outputs.intervals import Breakdown, rank_breakdown, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curve
 from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, host_bytes, model_state
@@ -95,6 +95,9 @@ class StepReport:
     model_state_bytes_deepspeed_convention: int
     device_memory_bytes: int
     peak_reserved_bytes: int  # the caching allocator's reserved peak (sim.outputs.allocator)
+    # its active peak: its blocks in the host's order, record_stream frees held until the stream
+    # passes (sim.core.host_clock); on a host without a caching allocator, the allocated peak
+    peak_active_bytes: int
     device_overhead_bytes: int  # outside the allocator: CUDA context, NCCL buffers
     collectives: Mapping[OpKind, CollectiveTotals]  # rank 0
     ranks_simulated: int
@@ -160,6 +163,7 @@ class StepReport:
             "model_state_bytes_deepspeed_convention": self.model_state_bytes_deepspeed_convention,
             "device_memory_bytes": self.device_memory_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
+            "peak_active_bytes": self.peak_active_bytes,
             "device_overhead_bytes": self.device_overhead_bytes,
             "fits": self.fits,
             "memory_headroom_bytes": self.memory_headroom_bytes,
@@ -259,9 +263,15 @@ def device_memory(result: SimResult, rank: int, peak_allocated_bytes: int) -> di
     host without a caching allocator (gloo, CPU), the allocated peak and nothing more."""
     curve = reserved_of(result, rank)
     if curve is None:
-        return {"peak_reserved_bytes": peak_allocated_bytes, "device_overhead_bytes": 0}
+        return {
+            "peak_reserved_bytes": peak_allocated_bytes,
+            "peak_active_bytes": peak_allocated_bytes,
+            "device_overhead_bytes": 0,
+        }
+    workspace = result.profile.device.cublas_workspace_bytes
     return {
         "peak_reserved_bytes": curve.peak_bytes(),
+        "peak_active_bytes": peak_active_bytes(result.events, rank, workspace_bytes=workspace),
         "device_overhead_bytes": device_overhead_bytes(result, rank),
     }
 

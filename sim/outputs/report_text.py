@@ -71,7 +71,8 @@ def format_table(r: StepReport) -> str:
         f"MFU {r.mfu:.1%} (HFU {r.hfu:.1%})",
         *_padding_lines(r),
         "",
-        f"peak memory   {gib(r.peak_memory_bytes)} allocated, {gib(r.peak_reserved_bytes)} reserved "
+        f"peak memory   {gib(r.peak_memory_bytes)} allocated, {gib(r.peak_active_bytes)} active, "
+        f"{gib(r.peak_reserved_bytes)} reserved "
         f"+ {gib(r.device_overhead_bytes)} outside the allocator, of {gib(r.device_memory_bytes)} "
         f"on rank {r.peak_memory_rank}: "
         + ("fits" if r.fits else f"DOES NOT FIT by {gib(-r.memory_headroom_bytes)}"),

@@ -7,6 +7,7 @@ A schedule (``sim.schedule.fsdp2``, ``sim.schedule.ddp``, and those to come) ext
 ``_on_*``. Per-micro-batch state is a fresh dataclass per micro-batch, never reset in place.
 """
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from sim.core.events import MemoryCategory, OpKind, Stream
@@ -18,6 +19,13 @@ from sim.schedule.step import StepConfig
 from sim.workload.layers import LayerKind
 from sim.workload.options import OptimizerName
 from sim.workload.units import ROOT, input_needs_grad
+
+# Kernels one stream's launch queue holds: launching into a stream stays asynchronous (4-5 us a
+# launch) for about the first 1000 pending kernels, after which each launch waits for a kernel to
+# finish; each stream has its own queue (measured, stackoverflow.com/questions/53970187 and NVIDIA
+# developer forums t/68937, "CUDA stream are blocked when launch lots of kernels (>1000)"). It
+# bounds how far the host runs ahead of the compute stream where nothing else stops it.
+LAUNCH_QUEUE_DEPTH = 1000
 
 
 @dataclass(kw_only=True)
@@ -69,6 +77,10 @@ class ScheduleBuilder:
         self.host_cursor: int | None = None  # the host's last op: nothing it issues starts before
         self.last_collective: dict[GroupKind, int] = {}  # one communicator per group: issue order
         self.compute_tail = -1  # the compute stream's last op
+        # the compute ops whose kernels may still sit in the launch queue, oldest first, and their
+        # kernels in all
+        self.launched: deque[tuple[int, int]] = deque()
+        self.launches_pending = 0
         self._counter = 0
 
     def _previous_output(self) -> list[Alloc]:
@@ -89,9 +101,9 @@ class ScheduleBuilder:
         self._counter += 1
         return f"{what}:{unit}:mb{mb}:{self._counter}"
 
-    def host(self, name: str, unit: str, mb: int, duration_s: float) -> None:
+    def host(self, name: str, unit: str, mb: int, duration_s: float, *, deps: tuple[int, ...] = ()) -> None:
         """Host work (eager dispatch, FSDP2's hooks) on the host stream, which runs ahead of the
-        device: what the host issues after it cannot start before it ends."""
+        device: what the host issues after it cannot start before it ends (nor it before ``deps``)."""
         if duration_s > 0:
             self.host_cursor = self.program.emit(
                 stream=Stream.HOST,
@@ -100,7 +112,18 @@ class ScheduleBuilder:
                 unit=unit,
                 microbatch=mb,
                 duration_s=duration_s,
+                deps=deps,
             )
+
+    def _launch_slot(self, launches: int) -> tuple[int, ...]:
+        """The compute op the host must see finish before it can launch ``launches`` more kernels
+        into the compute stream's queue (``LAUNCH_QUEUE_DEPTH``), if any."""
+        wait: tuple[int, ...] = ()
+        while self.launched and self.launches_pending + launches > LAUNCH_QUEUE_DEPTH:
+            op, count = self.launched.popleft()
+            self.launches_pending -= count
+            wait = (op,)
+        return wait
 
     def host_wait(self, name: str, op: int, mb: int) -> None:
         """The host blocks until ``op`` has run (``event.synchronize()``, a blocking copy): nothing it
@@ -133,10 +156,13 @@ class ScheduleBuilder:
         end_allocs: tuple[Alloc, ...] = (),
         start_frees: tuple[str, ...] = (),
         host_s: float = 0.0,
+        launches: int = 0,
     ) -> int:
-        """An op on the compute stream, after ``host_s`` of host dispatch; it also waits for whatever
-        the host last waited on."""
-        self.host(f"dispatch {name}", unit, mb, host_s)
+        """An op on the compute stream, after ``host_s`` of host dispatch launching ``launches``
+        kernels (where the launch queue is full, the dispatch first waits for room); it also waits
+        for whatever the host last waited on."""
+        queued = host_s > 0 and launches > 0  # a host that is the device has no launch queue
+        self.host(f"dispatch {name}", unit, mb, host_s, deps=self._launch_slot(launches) if queued else ())
         deps = self.issued(deps + tuple(self.compute_waits))
         self.compute_waits = []
         self.compute_tail = self.program.emit(
@@ -151,7 +177,11 @@ class ScheduleBuilder:
             frees=frees,
             end_allocs=end_allocs,
             start_frees=start_frees,
+            launches=launches,
         )
+        if queued:
+            self.launched.append((self.compute_tail, launches))
+            self.launches_pending += launches
         return self.compute_tail
 
     def collective(
@@ -347,6 +377,7 @@ class ScheduleBuilder:
             frees=tuple(frees),
             end_allocs=end_allocs,
             host_s=fig.forward_host_s,
+            launches=fig.forward_launches,
         )
 
     def _float_masks_made(self, i: int, mb: int, acts: Activations) -> list[Alloc]:
@@ -462,6 +493,7 @@ class ScheduleBuilder:
                 frees=(transient,),
                 start_frees=start_frees,
                 host_s=fig.forward_host_s,
+                launches=fig.forward_launches,
             )
             start_frees = ()
             self._after_recompute(i, op)
@@ -532,6 +564,7 @@ class ScheduleBuilder:
             frees=tuple(frees),
             end_allocs=end_allocs,
             host_s=fig.backward_host_s,
+            launches=fig.backward_launches,
         )
 
     def grad_scaler_unscale(self) -> None:

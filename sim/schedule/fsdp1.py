@@ -148,7 +148,11 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         allocs, frees, cast_s, deps = self._pre_unshard(unit, shard, deps)
         padded = self.layout.padded[unit]
         label = self.label("unsharded_flat_param", unit, mb.index)
-        allocs.append(Alloc(label=label, category=Mem.PARAMS, bytes=padded * self.param_bytes[unit]))
+        # made on the unshard stream, used on the compute stream: ``_free_unsharded_flat_param``
+        # records the compute stream before freeing it
+        allocs.append(
+            Alloc(label=label, category=Mem.PARAMS, bytes=padded * self.param_bytes[unit], record_stream=True)
+        )
         self.last_unshard = self.collective(
             OpKind.ALL_GATHER,
             Stream.ALL_GATHER,
@@ -183,7 +187,13 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
             frees.append(copy)
         if self._mixed(unit):
             cast = self.label("mp_shard", unit, mb.index)
-            allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=shard * cfg.param_bytes))
+            # the all-gather reads it on the unshard stream (``record_stream`` in
+            # ``_use_unsharded_flat_param``)
+            allocs.append(
+                Alloc(
+                    label=cast, category=Mem.COMM_BUFFERS, bytes=shard * cfg.param_bytes, record_stream=True
+                )
+            )
             frees.append(cast)
             cast_s = cfg.costs.copy_s(shard * max(cfg.param_bytes, self.stored[unit]))
         return allocs, frees, cast_s, deps
@@ -206,7 +216,8 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
 
     def _h2d(self, unit: str, nbytes: int, label: str, deps: tuple[int, ...]) -> int:
         """A host-to-device copy over PCIe into a new device buffer ``label``."""
-        alloc = Alloc(label=label, category=Mem.PARAMS, bytes=nbytes)
+        # used by the unshard stream's all-gather (``record_stream`` in ``_all_gather_flat_param``)
+        alloc = Alloc(label=label, category=Mem.PARAMS, bytes=nbytes, record_stream=True)
         h2d_s = self.cfg.host_costs.h2d_s(nbytes)
         return self.transfer(
             Stream.H2D, f"h2d {unit}", unit, self.mb.index, nbytes, h2d_s, deps=deps, allocs=(alloc,)
@@ -414,7 +425,10 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
                 unit,
                 mb.index,
                 cfg.costs.copy_s(flat_bytes) + cfg.costs.fsdp_backward_overhead_s,
-                allocs=(Alloc(label=flat_grad, category=Mem.GRADS, bytes=flat_bytes),),
+                # reduced on the post-backward stream, which ``_post_backward_hook`` records
+                allocs=(
+                    Alloc(label=flat_grad, category=Mem.GRADS, bytes=flat_bytes, record_stream=not final),
+                ),
                 frees=tuple(mb.view_grads.pop(unit)),
             )
         )

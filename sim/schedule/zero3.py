@@ -176,6 +176,7 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
             ),
             frees=(transient,),
             host_s=fig.forward_host_s,
+            launches=fig.forward_launches,
         )
 
     @staticmethod
