@@ -292,6 +292,23 @@ def _memory_row(run: PublishedMemoryRun) -> tuple[str, list[float]]:
     )
 
 
+def active_peak_holdings(run: PublishedMemoryRun) -> dict[str, int]:
+    """What FSDP1's ``record_stream`` buffers hold at the caching allocator's active peak of rank 0
+    (``sim.outputs.allocator.allocator_order``): bytes of flat gradients and of unsharded flat
+    parameters, and the label of the request that makes the peak."""
+    from sim.outputs.allocator import allocator_order
+
+    result = simulate(scenario_from_dict(run.tables, run.name, []))
+    live: dict[str, int] = {}
+    peak, held, at = 0, dict(live), ""
+    for rec in allocator_order(list(result.events.memory_of(0))):
+        live[rec.label] = live.get(rec.label, 0) + rec.delta_bytes
+        if (total := sum(live.values())) > peak:
+            peak, held, at = total, dict(live), rec.label
+    kinds = ("flat_grad", "unsharded_flat_param")
+    return {"at": at, **{k: sum(v for label, v in held.items() if label.startswith(k + ":")) for k in kinds}}
+
+
 def _here_against_published(run: PublishedMemoryRun) -> str:
     """The source's code run here against the source's allocated (else its active)."""
     assert run.measured_here_bytes is not None
@@ -320,6 +337,7 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         errors += e
     worst = max(abs(e) for e in errors)
     here = [r for r in runs if r.measured_here_bytes is not None]
+    held = active_peak_holdings(runs[-1])
     lines += [
         "",
         f"Worst |error| {worst:.1%} (target {MEMORY_TARGET:.0%} where published: "
@@ -338,10 +356,11 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "parameters and flat gradients with `record_stream` (the compute and post-backward streams), so a "
         "block the host has dropped stays active until the device gets there, and the host runs ahead of "
         "the device as far as the rate limiter and the launch queue let it (`LAUNCH_QUEUE_DEPTH`, "
-        "`sim/schedule/base.py`). The simulator's active peak of that row is at the optimizer step's foreach "
-        "temporaries, issued while the device is still reducing the last units: 7.35 GiB of flat gradients "
-        "and 5.76 GiB of unsharded parameters held for the device (the source's 17, of an unpublished "
-        "network; the two nodes assumed AWS p4d). The LoRA rows have almost no gradients to hold: their "
+        "`sim/schedule/base.py`). The simulator's active peak of that row is at "
+        f"`{held['at'].split(':')[0]}` (the optimizer step's foreach temporaries), issued while the device "
+        f"is still reducing the last units: {held['flat_grad'] / GIB:.2f} GiB of flat gradients and "
+        f"{held['unsharded_flat_param'] / GIB:.2f} GiB of unsharded parameters held for the device (the "
+        "source's 17 in all, on a network it does not give; the two nodes assumed AWS p4d). The LoRA rows have almost no gradients to hold: their "
         "active is their allocated in the host's order, which the code run here measures.",
         "",
         "The source's own allocations through the allocator model: `python -m validation.allocator_replay "
