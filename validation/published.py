@@ -292,10 +292,10 @@ def _memory_row(run: PublishedMemoryRun) -> tuple[str, list[float]]:
     )
 
 
-def active_peak_holdings(run: PublishedMemoryRun) -> dict[str, int]:
+def active_peak_holdings(run: PublishedMemoryRun) -> tuple[str, dict[str, int]]:
     """What FSDP1's ``record_stream`` buffers hold at the caching allocator's active peak of rank 0
     (``sim.outputs.allocator.allocator_order``): bytes of flat gradients and of unsharded flat
-    parameters, and the label of the request that makes the peak."""
+    parameters; and the label of the request that makes the peak."""
     from sim.outputs.allocator import allocator_order
 
     result = simulate(scenario_from_dict(run.tables, run.name, []))
@@ -306,7 +306,7 @@ def active_peak_holdings(run: PublishedMemoryRun) -> dict[str, int]:
         if (total := sum(live.values())) > peak:
             peak, held, at = total, dict(live), rec.label
     kinds = ("flat_grad", "unsharded_flat_param")
-    return {"at": at, **{k: sum(v for label, v in held.items() if label.startswith(k + ":")) for k in kinds}}
+    return at, {k: sum(v for label, v in held.items() if label.startswith(k + ":")) for k in kinds}
 
 
 def _here_against_published(run: PublishedMemoryRun) -> str:
@@ -337,7 +337,7 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         errors += e
     worst = max(abs(e) for e in errors)
     here = [r for r in runs if r.measured_here_bytes is not None]
-    held = active_peak_holdings(runs[-1])
+    at, held = active_peak_holdings(runs[-1])
     lines += [
         "",
         f"Worst |error| {worst:.1%} (target {MEMORY_TARGET:.0%} where published: "
@@ -357,7 +357,7 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "block the host has dropped stays active until the device gets there, and the host runs ahead of "
         "the device as far as the rate limiter and the launch queue let it (`LAUNCH_QUEUE_DEPTH`, "
         "`sim/schedule/base.py`). The simulator's active peak of that row is at "
-        f"`{held['at'].split(':')[0]}` (the optimizer step's foreach temporaries), issued while the device "
+        f"`{at.split(':')[0]}` (the optimizer step's foreach temporaries), issued while the device "
         f"is still reducing the last units: {held['flat_grad'] / GIB:.2f} GiB of flat gradients and "
         f"{held['unsharded_flat_param'] / GIB:.2f} GiB of unsharded parameters held for the device (the "
         "source's 17 in all, on a network it does not give; the two nodes assumed AWS p4d). The LoRA rows have almost no gradients to hold: their "
