@@ -95,6 +95,28 @@ def test_reserved_and_device_lines_are_the_reports_figures():
     assert reserved[0].visible is not False and whole[0].visible is not False
 
 
+def test_the_active_line_is_the_reports_and_never_above_reserved():
+    """The dotted active line is the caching allocator's active bytes at its own times: its highest
+    point is the report's peak_active_bytes, and at every point the allocator reserves at least
+    what it holds active. On llama-recipes' 70B FSDP1 row it rises above the allocated peak: the
+    blocks the host freed that the device still uses (record_stream)."""
+    from sim.scenario.loader import scenario_from_dict
+    from sim.simulate import simulate
+    from validation.published import MEMORY_RUNS
+
+    run = MEMORY_RUNS[-1]
+    result = simulate(scenario_from_dict(run.tables, run.name, []))
+    report = build_report(result)
+    fig = timeline_figure(result.events, title="t", device=device_lines(result))
+    active = [t for t in fig.data if t.name and t.name.startswith("active (")]
+    reserved = [t for t in fig.data if t.name and t.name.startswith("reserved (")]
+    assert len(active) == len(reserved) == 1
+    gib = 2**30
+    assert max(active[0].y) * gib == pytest.approx(report.peak_active_bytes, rel=1e-12)
+    assert all(a <= r for a, r in zip(active[0].y, reserved[0].y, strict=True))
+    assert report.peak_active_bytes > report.peak_memory_bytes
+
+
 def test_no_reserved_lines_without_a_caching_allocator():
     """A CPU host (gloo) has no caching allocator: ``reserved_of`` gives None and nothing is drawn."""
     table = synthetic_table(2, 3)

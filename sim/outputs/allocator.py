@@ -178,11 +178,15 @@ def expandable_steps(records: list[MemoryRecord]) -> list[int]:
 class ReservedCurve:
     """The caching allocator's reserved bytes on one rank after every allocation and free."""
 
-    times_s: tuple[float, ...]
+    times_s: tuple[float, ...]  # the allocator's (the host's) times
     reserved_bytes: tuple[int, ...]
+    active_bytes: tuple[int, ...] = ()  # its active bytes at the same points (``active_steps``)
 
     def peak_bytes(self) -> int:
         return max(self.reserved_bytes, default=0)
+
+    def peak_active_bytes(self) -> int:
+        return max(self.active_bytes, default=0)
 
 
 def allocator_order(records: list[MemoryRecord]) -> list[MemoryRecord]:
@@ -191,16 +195,22 @@ def allocator_order(records: list[MemoryRecord]) -> list[MemoryRecord]:
     return sorted(records, key=lambda rec: rec.allocator_s)
 
 
-def peak_active_bytes(table: EventTable, rank: int, *, workspace_bytes: int = 0) -> int:
-    """The caching allocator's peak active bytes on ``rank`` (``torch.cuda.memory_stats()``'s
-    ``active_bytes.all.peak`` less the 512 B rounding): its live blocks in the host's order, with
-    those freed while another stream still uses them (``record_stream``) held until it passes,
-    and the cuBLAS workspace."""
-    live = peak = workspace_bytes
-    for rec in allocator_order(table.memory_of(rank)):
+def active_steps(records: list[MemoryRecord], workspace_bytes: int = 0) -> list[int]:
+    """The caching allocator's active bytes after each of ``records`` (in the allocator's order,
+    ``allocator_order``; ``torch.cuda.memory_stats()``'s ``active_bytes`` less the 512 B rounding):
+    its live blocks, those freed while another stream still uses them (``record_stream``) held until
+    it passes, and the cuBLAS workspace."""
+    live, out = workspace_bytes, []
+    for rec in records:
         live += rec.delta_bytes
-        peak = max(peak, live)
-    return peak
+        out.append(live)
+    return out
+
+
+def peak_active_bytes(table: EventTable, rank: int, *, workspace_bytes: int = 0) -> int:
+    """The caching allocator's peak active bytes on ``rank`` (``active_bytes.all.peak``)."""
+    steps = active_steps(allocator_order(table.memory_of(rank)), workspace_bytes)
+    return max(steps, default=workspace_bytes)
 
 
 def reserved_curve(
@@ -220,8 +230,11 @@ def reserved_curve(
         )
         records.insert(0, workspace)
     times = tuple(r.allocator_s for r in records)
+    active = tuple(active_steps(records))  # the workspace record is the first of them
     if expandable:
-        return ReservedCurve(times_s=times, reserved_bytes=tuple(expandable_steps(records)))
+        return ReservedCurve(
+            times_s=times, reserved_bytes=tuple(expandable_steps(records)), active_bytes=active
+        )
     allocator = CachingAllocator(capacity_bytes)
     reserved = []
     served: dict[str, int] = {}  # label -> the number of tensors it was served as
@@ -235,7 +248,7 @@ def reserved_curve(
             for k in range(served.pop(rec.label)):
                 allocator.free(f"{rec.label}#{k}")
         reserved.append(allocator.reserved)
-    return ReservedCurve(times_s=times, reserved_bytes=tuple(reserved))
+    return ReservedCurve(times_s=times, reserved_bytes=tuple(reserved), active_bytes=active)
 
 
 def peak_reserved_bytes(

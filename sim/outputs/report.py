@@ -13,7 +13,7 @@ from typing import Any
 from sim.core.events import EventTable, MemoryCategory, OpKind
 from sim.core.topology import GroupKind
 from sim.costs.nccl import runtime_channels
-from sim.outputs.allocator import ReservedCurve, nccl_buffer_bytes, peak_active_bytes, reserved_curve
+from sim.outputs.allocator import ReservedCurve, nccl_buffer_bytes, reserved_curve
 from sim.outputs.intervals import Breakdown, rank_breakdown, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curve
 from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, host_bytes, model_state
@@ -268,10 +268,9 @@ def device_memory(result: SimResult, rank: int, peak_allocated_bytes: int) -> di
             "peak_active_bytes": peak_allocated_bytes,
             "device_overhead_bytes": 0,
         }
-    workspace = result.profile.device.cublas_workspace_bytes
     return {
         "peak_reserved_bytes": curve.peak_bytes(),
-        "peak_active_bytes": peak_active_bytes(result.events, rank, workspace_bytes=workspace),
+        "peak_active_bytes": curve.peak_active_bytes(),
         "device_overhead_bytes": device_overhead_bytes(result, rank),
     }
 

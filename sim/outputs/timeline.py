@@ -300,19 +300,23 @@ def memory_traces(
 def reserved_traces(
     curve: ReservedCurve, overhead_bytes: int, end_s: float, label: str, row: int, visible: bool
 ) -> list[tuple[Any, int]]:
-    """The reserved bytes as a step line, and reserved + what lies outside the allocator (the
-    device's whole use) as a second one, both held until ``end_s``."""
+    """The reserved bytes as a step line, reserved + what lies outside the allocator (the
+    device's whole use) as a second one, and the allocator's active bytes (dotted), all at the
+    allocator's times and held until ``end_s``."""
     times = [0.0, *curve.times_s, end_s]
     reserved = [0, *curve.reserved_bytes, curve.reserved_bytes[-1] if curve.reserved_bytes else 0]
     x = [t * MS_PER_S for t in times]
     lines = [
-        (f"reserved ({label})", [r / BYTES_PER_GIB for r in reserved], dict(color="#444444", dash="dash")),
-        (
-            f"reserved + context + NCCL ({label})",
-            [(r + overhead_bytes) / BYTES_PER_GIB for r in reserved],
-            dict(color="#D62728", dash="dash"),
-        ),
+        (f"reserved ({label})", [r / BYTES_PER_GIB for r in reserved], dict(color="#444444", dash="dash"))
     ]
+    if overhead_bytes:
+        whole = [(r + overhead_bytes) / BYTES_PER_GIB for r in reserved]
+        lines.append((f"reserved + context + NCCL ({label})", whole, dict(color="#D62728", dash="dash")))
+    if curve.active_bytes:  # the allocator's active blocks (record_stream frees held), at its times
+        active = [0, *curve.active_bytes, curve.active_bytes[-1]]
+        lines.append(
+            (f"active ({label})", [a / BYTES_PER_GIB for a in active], dict(color="#444444", dash="dot"))
+        )
     return [
         (
             dict(
@@ -327,7 +331,7 @@ def reserved_traces(
             ),
             row,
         )
-        for name, y, style in lines[: 2 if overhead_bytes else 1]
+        for name, y, style in lines
     ]
 
 
