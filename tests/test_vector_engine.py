@@ -9,6 +9,7 @@ import pytest
 
 from sim.core import vector_engine
 from sim.core.engine import run_program
+from sim.outputs.allocator import peak_active_bytes
 from sim.outputs.memory_curve import memory_curve
 from sim.outputs.report import build_report
 from sim.scenario.loader import scenario_from_dict
@@ -126,6 +127,16 @@ def test_the_vectorised_engine_gives_the_simpy_engines_table(sections) -> None: 
         # (SimPy's among processes woken together), which the peak must not notice
         assert _by_instant(ref.memory_of(rank)) == _by_instant(vec.memory_of(rank))
         assert memory_curve(ref, rank).peak_bytes() == memory_curve(vec, rank).peak_bytes()
+        # and the caching allocator sees each at the same time (the host's; None on gloo)
+        host_times = [
+            sorted(
+                (m.label, m.delta_bytes, None if m.host_s is None else round(m.host_s, 12))
+                for m in t.memory_of(rank)
+            )
+            for t in (ref, vec)
+        ]
+        assert host_times[0] == host_times[1]
+        assert peak_active_bytes(ref, rank) == peak_active_bytes(vec, rank)
 
 
 @pytest.mark.parametrize("sections", CASES.values(), ids=CASES.keys())

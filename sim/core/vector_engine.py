@@ -357,6 +357,7 @@ def _memory_records(ledger: _Ledger, solved: _Pass, rank: int, clock: HostClock 
             label=a.label,
             stream=Stream.COMPUTE,
             pieces=a.pieces,
+            host_s=None if clock is None else 0.0,
         )
         for a in ledger.initial
     ]
