@@ -210,3 +210,36 @@ def test_on_a_cpu_host_active_and_reserved_are_the_allocated_peak(monkeypatch: p
 def test_the_allocator_reserves_at_least_what_it_holds_active(n: int):
     report = build_report(_row(n)[1])
     assert report.peak_reserved_bytes >= report.peak_active_bytes > 0
+
+
+@pytest.mark.parametrize("overlap_comm", [False, True])
+def test_zero3_holds_what_free_param_and_the_bucket_copy_record(overlap_comm: bool):
+    """DeepSpeed ZeRO-3 on a GPU: a parameter gathered on its own (on the all-gather stream) is
+    dropped by ``free_param`` with the compute stream recorded, so the allocator has it back only
+    when the device has run the module; a gradient the reduce-and-partition stream copies into the
+    bucket (overlap_comm) likewise, and without overlap_comm the copy runs on the compute stream,
+    where the host's drop is the allocator's."""
+    tables = {
+        "model": {"preset": "llama2-7b", "n_layers": 2},
+        "training": {"micro_batch": 1, "seq_len": 512},
+        "parallel": {"world_size": 8},
+        "precision": {"param_dtype": "bf16"},
+        "deepspeed": {
+            "enabled": True,
+            "stage": 3,
+            "overlap_comm": overlap_comm,
+            "stage3_prefetch_bucket_size": 1,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+    result = simulate(scenario_from_dict(tables, "zero3", []))
+    frees = [m for m in result.events.memory_of(0) if m.delta_bytes < 0]
+    gathered = [m for m in frees if m.label.startswith("gathered ")]
+    grads = [m for m in frees if m.label.startswith("grad:")]
+    assert gathered and grads
+    assert all(m.host_s == m.time_s for m in gathered)
+    if overlap_comm:
+        assert all(m.host_s == m.time_s for m in grads)
+    else:
+        assert all(m.host_s is not None and m.host_s <= m.time_s for m in grads)
+        assert any(m.host_s < m.time_s for m in grads)  # the host is ahead of the device

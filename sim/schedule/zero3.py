@@ -143,8 +143,16 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
         if use.phase is OpKind.RECOMPUTE:
             return self._recompute_segment(i, mb)
         grads = list(self.cfg.segments[i].params)
+        # with overlap_comm the bucket copy reads a gradient on the reduce-and-partition stream,
+        # which ``__add_grad_to_ipg_bucket`` records before dropping it
+        overlap = self.zero.overlap_comm
         allocs = tuple(
-            Alloc(label=self._grad_label(p, mb), category=Mem.GRADS, bytes=p.numel * self.cfg.param_bytes)
+            Alloc(
+                label=self._grad_label(p, mb),
+                category=Mem.GRADS,
+                bytes=p.numel * self.cfg.param_bytes,
+                record_stream=overlap,
+            )
             for p in grads
         )
         op = self.backward_segment(i, mb, self.acts, end_allocs=allocs)
@@ -195,7 +203,11 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
         frees: list[str] = []
         if len(names) == 1:  # gathered into the parameter's own padded buffer
             label = self.label(f"gathered {names[0]}", unit, mb)
-            allocs.append(Alloc(label=label, category=Mem.PARAMS, bytes=padded * cfg.param_bytes))
+            # made on the all-gather stream, used on the compute stream: ``free_param`` records
+            # the compute stream before dropping it
+            allocs.append(
+                Alloc(label=label, category=Mem.PARAMS, bytes=padded * cfg.param_bytes, record_stream=True)
+            )
             coord.available[names[0]] = label
         else:  # one flat buffer, then each parameter copied out of it when waited for
             flat = self.label("all_gather_flat", unit, mb)
