@@ -7,7 +7,9 @@ when it issues the op that makes it, and drops one when it issues the op that la
 for a free a later host action declares, ``Program.host_drops``, at that action), however far
 behind the device is. Reuse of a dropped block is safe in stream order: the allocator hands it
 out again only to work issued later on its stream. A block used on another stream
-(``Alloc.record_stream``) comes back only once that stream has passed the free, as the events
+(``Alloc.record_stream``: FSDP1's unsharded flat parameters and flat gradients, DeepSpeed
+ZeRO-3's parameters gathered one by one and, with ``overlap_comm``, the gradients its bucket copy
+reads) comes back only once that stream has passed the free, as the events
 ``insert_events`` records make it wait: at the later of the host's drop and the device's time.
 So the allocator's active bytes can exceed what the device's kernels hold at any one time: the
 blocks the host has dropped and the recording stream has not yet reached (llama-recipes' 70B
