@@ -71,9 +71,10 @@ def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[st
     sources: list[OpRecord] = []
     entry_of: dict[int, int] = {}  # trace op -> the entry that stands for it
     waiting: list[int] = []
-    host, after_head, call_iter = 0, False, iter(calls)
+    host, launches, after_head, call_iter = 0, [0, 0], False, iter(calls)
     for op in ops:
         host += op.host_ops
+        launches = [launches[0] + op.forward_launches, launches[1] + op.backward_launches]
         waiting.append(op.index)
         kind = _kind(op, direct_3d, after_head)
         attention = next(call_iter) if kind == "attention" else None
@@ -102,11 +103,13 @@ def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[st
                 "backward_gemms": [list(g) for g in op.backward_gemms],
                 "attention": attention,
                 "host_ops": host,
+                "forward_launches": launches[0],
+                "backward_launches": launches[1],
             }
         )
         sources.append(op)
         entry_of.update((i, len(out) - 1) for i in waiting)
-        host, waiting = 0, []
+        host, launches, waiting = 0, [0, 0], []
     for entry, op in zip(out, sources, strict=True):
         entry["saved_released_ahead"] = _released_ahead(op, entry_of)
     return out

@@ -19,6 +19,9 @@ forward is running), or by the attention probe (``hfmodel.probe``). For each op:
   parameter's, which the schedule counts from the first of them on;
 - ``host_ops``: Python-level torch calls of its forward (``TorchFunctionMode``), the eager
   dispatches a GPU host pays;
+- ``forward_launches``, ``backward_launches``: its aten calls that run a kernel on the device,
+  forward and backward (views, fresh ``empty`` tensors and ``_unsafe_view`` run none): the
+  entries a GPU host puts in the stream's launch queue;
 - ``checkpointed_forward_bytes`` (block ops): the most alive during the op of what its block's
   ops created, were the block checkpointed: a storage autograd saves then lives only to its last
   use in the forward, the others as they did (each through the step of its last use).
@@ -68,6 +71,8 @@ class OpRecord:
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
     host_ops: int = 0
+    forward_launches: int = 0
+    backward_launches: int = 0
     checkpointed_forward_bytes: int = 0
     # the storages that make up each figure (see the module docstring)
     saved_pieces: list[int] = field(default_factory=list)
@@ -82,6 +87,27 @@ class OpRecord:
     backward_flops: float = 0.0
     backward_memory_bytes: float = 0.0
     backward_gemms: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+
+# aten calls that make or relabel a tensor without running a kernel (beside ``OpOverload.is_view``)
+NO_KERNEL = frozenset(
+    {
+        "aten.empty.memory_format",
+        "aten.empty_strided.default",
+        "aten.empty_like.default",
+        "aten.new_empty.default",
+        "aten.new_empty_strided.default",
+        "aten._unsafe_view.default",
+        "aten.lift_fresh.default",
+    }
+)
+
+
+def launches_kernel(func: Any) -> bool:
+    """Whether an aten call runs a kernel on the device (``prim`` calls such as ``prim.device``,
+    which autograd's engine asks of fake tensors, only read metadata)."""
+    name = str(func)
+    return not getattr(func, "is_view", False) and name not in NO_KERNEL and not name.startswith("prim.")
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -265,6 +291,7 @@ class Tracer(TorchDispatchMode):
             index = self._current_backward_op()
             record = self.ops[index]
             record.backward_ops.append(self.step)
+            record.backward_launches += launches_kernel(func)
             flops, shape, moved = _work(name, func, args, kwargs, out)
             record.backward_flops += flops
             record.backward_memory_bytes += moved
@@ -274,6 +301,7 @@ class Tracer(TorchDispatchMode):
             return out
         op = self._current_forward_op()
         op.aten_ops.append(self.step)
+        op.forward_launches += launches_kernel(func)
         for key in inputs:  # the forward's last use of each storage it reads
             entry = self.live.get(key)
             if entry is not None:

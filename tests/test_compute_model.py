@@ -118,3 +118,11 @@ def test_fsdp_steps_the_optimizer_measured_on_dtensors_and_ddp_the_plain_one():
     n = n_params(fsdp_s.model)
     assert optimizer_op(ddp_s) == pytest.approx(n * 1e-9)
     assert optimizer_op(fsdp_s) == pytest.approx(3e-9 * n / 2, rel=0.01)  # shards of 2 ranks, padded
+
+
+def test_every_attention_kernel_a_profile_may_name_has_its_launch_counts() -> None:
+    from sim.hardware.schema import ATTENTION_KERNELS
+    from sim.workload.layers import ATTENTION_LAUNCHES
+
+    assert set(ATTENTION_LAUNCHES) == set(ATTENTION_KERNELS)
+    assert all(forward >= 1 and backward >= 1 for forward, backward in ATTENTION_LAUNCHES.values())

@@ -288,3 +288,28 @@ def test_a_sequence_beyond_the_models_positions_warns(tmp_path: Path, monkeypatc
         env={**__import__("os").environ, "FSDPSIM_CACHE_DIR": str(tmp_path / "cache")},
     )
     assert proc.returncode == 0 and "fsdpsim: warning:" in proc.stderr
+
+
+def test_the_kernels_each_op_launches_are_counted_from_its_aten_calls() -> None:
+    """A linear launches one matmul forward and two backward (its input's and its weight's
+    gradients), plus one add where its input feeds several (q, k, v: two; gate, up: one);
+    metadata calls (views, ``prim.device``, which autograd asks of every fake tensor) launch none;
+    RMSNorm's eager forward is its eight calls (to fp32, pow, mean, add, rsqrt, mul, to, weight)."""
+    described = _describe(DATA / "tiny-llama.json")
+    w = Workload(micro_batch=2, seq_len=32, act_bytes=2, attention_kernel="flash")
+    ops = [op for op in layer_ops(described, w) if op.block == 0]
+    linears = [op for op in ops if op.kind is LayerKind.LINEAR]
+    assert len(linears) == 7
+    assert all(op.launches is not None and op.launches[0] == 1 for op in linears)
+    backward = {op.module.rpartition(".")[2]: op.launches[1] for op in linears if op.launches}
+    assert backward == {
+        "q_proj": 3,
+        "k_proj": 3,
+        "v_proj": 2,
+        "o_proj": 2,
+        "gate_proj": 3,
+        "up_proj": 2,
+        "down_proj": 2,
+    }
+    norms = [op for op in ops if op.kind is LayerKind.NORM]
+    assert [op.launches[0] for op in norms if op.launches] == [8, 8]

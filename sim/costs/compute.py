@@ -25,7 +25,7 @@ from sim.hardware.compute_section import MODEL_FIELDS, ComputeSection, UnitMeasu
 from sim.hardware.schema import DeviceSpec, HardwareProfile
 from sim.workload.description import finetune_fingerprint
 from sim.workload.forward import layer_ops
-from sim.workload.layers import CalibrationGroup, LayerOp, Workload, figure_tensors
+from sim.workload.layers import ATTENTION_LAUNCHES, CalibrationGroup, LayerOp, Workload, figure_tensors
 from sim.workload.model import ModelConfig
 from sim.workload.options import OptimizerName
 from sim.workload.units import Segment
@@ -193,6 +193,17 @@ class ComputeCosts:
     def calibrated(self) -> bool:
         return bool(self.scales)
 
+    def launches(self, op: LayerOp) -> tuple[int, int]:
+        """The kernels one op launches (forward, backward): as measured, with its attention
+        kernel's (``ATTENTION_LAUNCHES``); else one per eager call forward, two backward."""
+        if op.launches is None:
+            return op.host_ops, 2 * op.host_ops
+        forward, backward = op.launches
+        if op.attention is not None:
+            kernel = ATTENTION_LAUNCHES[self.attention_kernel]
+            forward, backward = forward + kernel[0], backward + kernel[1]
+        return forward, backward
+
     def op_s(self, op: LayerOp) -> tuple[float, float]:
         """Uncalibrated (forward, backward) time of one op, from the kernel model."""
         return self.kernels.op_s(op, self.attention_kernel)
@@ -288,8 +299,8 @@ class ComputeCosts:
             ),
             forward_host_s=sum(op.host_ops for op in seg.ops) * self.host_op_s,
             backward_host_s=2 * sum(op.host_ops for op in seg.ops) * self.host_op_s,
-            forward_launches=sum(op.host_ops for op in seg.ops),
-            backward_launches=2 * sum(op.host_ops for op in seg.ops),
+            forward_launches=sum(self.launches(op)[0] for op in seg.ops),
+            backward_launches=sum(self.launches(op)[1] for op in seg.ops),
             checkpointed_forward_bytes=None
             if checkpointed is None
             else checkpointed.checkpointed_forward_bytes,

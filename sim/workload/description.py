@@ -1,6 +1,6 @@
 """A model described by its measured ops: what ``hfmodel`` extracts from a Hugging Face config.
 
-The description (JSON, ``version`` 8) is written on the torch side (``hfmodel.describe``) and read
+The description (JSON, ``version`` 10) is written on the torch side (``hfmodel.describe``) and read
 here without torch. It holds:
 - ``params``: every parameter as ``transformers`` builds it on the meta device (name, shape,
   registration order, a tied weight once), and ``buffer_bytes`` (module buffers, unsharded);
@@ -34,8 +34,9 @@ from sim.workload.params import ParamSpec
 # ``softcap`` (a version 3 file of Gemma 2 would read as uncapped); 6: attention calls'
 # ``backward_start_bytes``; 7: block ops' ``checkpointed_forward_bytes``; 8: every byte figure's
 # tensors (``saved_pieces``, ``forward_transient_pieces``, ``checkpointed_forward_pieces``,
-# ``backward_transient_pieces``); 9: ops' ``saved_released_ahead``
-DESCRIPTION_VERSION = 9
+# ``backward_transient_pieces``); 9: ops' ``saved_released_ahead``; 10: ops' ``forward_launches``
+# and ``backward_launches``
+DESCRIPTION_VERSION = 10
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -90,6 +91,9 @@ class DescribedOp:
     gemms: tuple[tuple[int, int, int, int], ...] = ()
     attention: AttentionCall | None = None
     host_ops: int = 0
+    # the kernels its forward and its backward launch (``hfmodel.trace``)
+    forward_launches: int = 0
+    backward_launches: int = 0
     backward_flops: float = 0.0
     backward_memory_bytes: float = 0.0
     backward_gemms: tuple[tuple[int, int, int, int], ...] = ()
@@ -238,6 +242,8 @@ def _op(raw: Any, where: str) -> DescribedOp:
         gemms=_gemms(r.get("gemms", list), where),
         attention=call,
         host_ops=r.get("host_ops", int),
+        forward_launches=r.get("forward_launches", int),
+        backward_launches=r.get("backward_launches", int),
         backward_flops=float(r.get("backward_flops", (int, float))),
         backward_memory_bytes=float(r.get("backward_memory_bytes", (int, float))),
         backward_gemms=_gemms(r.get("backward_gemms", list), where),

@@ -59,6 +59,15 @@ FP32_BYTES = 4
 # and ForCausalLMLoss (pad, shift view, view x2, cross_entropy: 6).
 HOST_OPS = {"norm": 9, "linear": 1, "attention": 30, "mlp_act": 3, "embed": 1, "rotary": 11, "loss": 6}
 
+# The kernels an attention kernel launches (forward, backward), from their implementations:
+# FlashAttention-2 runs one forward kernel and three backward (``flash_bwd_dot_do_o_kernel``, the
+# dq/dk/dv kernel, ``flash_bwd_convert_dq_kernel``); the memory-efficient and cuDNN kernels one
+# forward and two backward (a preprocess and the main kernel); the eager math path, as HF's
+# ``eager_attention_forward`` writes it (and SDPA's math path alike), six forward (q @ k^T, the
+# scaling, the mask's add, the softmax, its cast back, @ v) and eight backward (two matmuls for
+# @ v, the cast, the softmax's backward, the scaling's, two matmuls for q @ k^T, the GQA heads' sum)
+ATTENTION_LAUNCHES = {"flash": (1, 3), "efficient": (1, 2), "cudnn": (1, 2), "math": (6, 8), "eager": (6, 8)}
+
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionShape:
@@ -167,6 +176,10 @@ class LayerOp:
     grouped_gemms: tuple[tuple[int, int, int, int], ...] = ()
     attention: AttentionShape | None = None
     host_ops: int = 0  # Python-level torch calls of the eager forward
+    # the kernels its forward and backward launch, where measured (``hfmodel.trace``; the
+    # attention kernel's own excepted: ``ATTENTION_LAUNCHES``); None: one per eager call forward,
+    # two backward
+    launches: tuple[int, int] | None = None
     backward_memory_factor: float = 2.0  # backward bytes over forward bytes of the memory-bound work
     # torchtitan's op-level selective checkpointing keeps this op's output (a matmul but every
     # second one in its block, or the attention kernel) instead of recomputing it: its bytes
