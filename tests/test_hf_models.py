@@ -313,3 +313,20 @@ def test_the_kernels_each_op_launches_are_counted_from_its_aten_calls() -> None:
     }
     norms = [op for op in ops if op.kind is LayerKind.NORM]
     assert [op.launches[0] for op in norms if op.launches] == [8, 8]
+
+
+def test_the_hand_written_llama_launches_what_the_described_one_does() -> None:
+    """``LAUNCHES`` groups the counts the tracer measures on transformers' Llama as the
+    hand-written ops group its modules: per block and over the whole model, forward and backward,
+    the same kernels."""
+    w = Workload(micro_batch=2, seq_len=32, act_bytes=2, attention_kernel="flash")
+    described = layer_ops(_describe(DATA / "tiny-llama.json"), w)
+    preset = layer_ops(PRESETS["tiny"], w)
+
+    def totals(ops, block):
+        chosen = [op.launches for op in ops if block == "all" or op.block == block]
+        assert all(launches is not None for launches in chosen)
+        return tuple(sum(launches[i] for launches in chosen) for i in (0, 1))
+
+    for block in (0, 1, "all"):
+        assert totals(preset, block) == totals(described, block), block

@@ -68,6 +68,27 @@ HOST_OPS = {"norm": 9, "linear": 1, "attention": 30, "mlp_act": 3, "embed": 1, "
 # @ v, the cast, the softmax's backward, the scaling's, two matmuls for q @ k^T, the GQA heads' sum)
 ATTENTION_LAUNCHES = {"flash": (1, 3), "efficient": (1, 2), "cudnn": (1, 2), "math": (6, 8), "eager": (6, 8)}
 
+# The kernels each op of the hand-written Llama launches (forward, backward), its attention
+# kernel's own excepted: the counts ``hfmodel.trace`` measures on transformers' Llama (aten calls
+# that run a kernel), grouped as these ops group its modules. A linear's two matmuls backward; a
+# block's norm its 8 calls and the residual add before it (9), 17 backward (the residual stream's
+# gradient join among them); the final norm has no add to take (8, 16); the attention op's RoPE,
+# transposes and output copy (10), 19 backward (the two adds joining q's, k's and v's input
+# gradients among them); the SwiGLU act and product (2), 4 backward (the gate/up join among
+# them); the lookup (1, 2); the rotary tables and position ids (11, 0); the loss's cast, shift
+# and cross-entropy (5, 3). tests/test_hf_models.py checks that a block and the whole model
+# launch what the described transformers Llama does.
+LAUNCHES = {
+    "norm": (9, 17),
+    "final_norm": (8, 16),
+    "linear": (1, 2),
+    "attention": (10, 19),
+    "mlp_act": (2, 4),
+    "embed": (1, 2),
+    "rotary": (11, 0),
+    "loss": (5, 3),
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionShape:
@@ -275,6 +296,7 @@ def _norm(
         memory_bytes=t * h * _norm_bytes_per_element(a) + (_residual_add_bytes(h, w) if after_add else 0.0),
         saved_bytes=t * (h * (FP32_BYTES + 2 * a) + FP32_BYTES),
         host_ops=HOST_OPS["norm"],
+        launches=LAUNCHES["norm" if block is not None else "final_norm"],
     )
 
 
@@ -291,6 +313,7 @@ def _linear(spec: ParamSpec, w: Workload, block: int | None) -> LayerOp:
         saved_bytes=0,
         gemm=(w.tokens, out_features, in_features),
         host_ops=HOST_OPS["linear"],
+        launches=LAUNCHES["linear"],
     )
 
 
@@ -483,6 +506,7 @@ def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         backward_transient_bytes=bwd_transient,
         attention=shape,
         host_ops=HOST_OPS["attention"],
+        launches=LAUNCHES["attention"],
     )
 
 
@@ -499,6 +523,7 @@ def _mlp_act(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         saved_bytes=4 * t * f * a,
         backward_transient_bytes=2 * t * f * a,
         host_ops=HOST_OPS["mlp_act"],
+        launches=LAUNCHES["mlp_act"],
     )
 
 
@@ -582,6 +607,9 @@ def fused_linear_cross_entropy(
         forward_transient_bytes=gradients + chunk * vocab * a + t * FP32_BYTES,
         backward_transient_bytes=0,
         host_ops=HOST_OPS["linear"] + 4 * math.ceil(t / chunk),  # per chunk: mm, CE kernel, two mms
+        # the two gradients zeroed, four kernels a chunk; backward scales the two by the loss's
+        # gradient (``element_mul_kernel``)
+        launches=(2 + 4 * math.ceil(t / chunk), 2),
         gradients_in_forward=True,
     )
 
@@ -604,6 +632,7 @@ def llama_layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             memory_bytes=float(2 * t * cfg.hidden * a),
             saved_bytes=t * INDEX_BYTES,  # the token ids
             host_ops=HOST_OPS["embed"],
+            launches=LAUNCHES["embed"],
         ),
         LayerOp(
             name="model.rotary_emb",
@@ -615,6 +644,7 @@ def llama_layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             memory_bytes=float(2 * w.seq_len * cfg.head_dim * a),
             saved_bytes=2 * w.seq_len * cfg.head_dim * a,  # cos and sin, shared by every layer
             host_ops=HOST_OPS["rotary"],
+            launches=LAUNCHES["rotary"],
         ),
     ]
     for i in range(cfg.n_layers):
@@ -637,6 +667,7 @@ def llama_layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             saved_bytes=0,
             gemm=head.gemm,
             host_ops=HOST_OPS["linear"],
+            launches=LAUNCHES["linear"],
         )
     )
     upcast = 0 if a == FP32_BYTES else t * vocab * FP32_BYTES
@@ -656,6 +687,7 @@ def llama_layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             # after the first is freed, so it never adds to the peak
             backward_transient_bytes=2 * t * vocab * FP32_BYTES,
             host_ops=HOST_OPS["loss"],
+            launches=LAUNCHES["loss"],
         )
     )
     return tuple(ops)
