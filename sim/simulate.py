@@ -145,6 +145,7 @@ def build_step(
         act_bytes=dtype_bytes(scenario.param_dtype),
         attention_kernel=profile.attention_kernel,
         loss=training.loss,
+        norm=training.norm,
     )
     ops = layer_ops(model, workload)
     # DeepSpeed ZeRO hooks every module that owns parameters: one unit per linear and embedding

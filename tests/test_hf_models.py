@@ -330,3 +330,12 @@ def test_the_hand_written_llama_launches_what_the_described_one_does() -> None:
 
     for block in (0, 1, "all"):
         assert totals(preset, block) == totals(described, block), block
+
+
+def test_a_described_models_norms_run_as_its_code_runs_them() -> None:
+    from sim.workload.options import NormKernel
+
+    described = _describe(DATA / "tiny-llama.json")
+    w = Workload(micro_batch=2, seq_len=32, act_bytes=2, attention_kernel="flash", norm=NormKernel.FUSED)
+    with pytest.raises(UserError, match="training.norm"):
+        layer_ops(described, w)

@@ -598,6 +598,11 @@ def build_compute_costs(
             f'{where}: its compute section measured HF\'s eager loss; training.loss = "fused" is timed by '
             "the analytic model only (use a profile without a compute section)"
         )
+    if any(op.fused_kernel for op in ops):
+        raise UserError(
+            f'{where}: its compute section measured HF\'s eager RMSNorm; training.norm = "fused" is timed by '
+            "the analytic model only (use a profile without a compute section)"
+        )
     check_same_model(compute, model, where)
     block_scales: dict[int, GroupScale] = {}
     if model.description is not None:

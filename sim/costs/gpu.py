@@ -21,7 +21,9 @@ device's published kernel-level figures (``sim.hardware.schema.DeviceSpec``). Pu
   achievable streaming bandwidth times ``eager_memory_efficiency``, derived from Liger-Kernel's
   published timings of the HuggingFace/torch reference ops (``validation.eager_bandwidth``); a part not measured borrows the fraction of its architecture family's
   measured part with the nearest streaming rate, and one with none in its family (MI300X) streams.
-  A matmul's operands move at the streaming rate itself (cuBLAS, not an eager elementwise kernel).
+  A matmul's operands move at the streaming rate itself (cuBLAS, not an eager elementwise kernel),
+  and a fused RMSNorm (``training.norm = "fused"``, one Triton kernel) at the share of it Liger's
+  fused RMSNorm reaches in its published timings (``FUSED_NORM_EFFICIENCY``).
 - Every kernel takes at least ``kernel_launch_s`` on the device (back-to-back launch floor).
 
 Host-side costs (eager dispatch per op, FSDP2's hooks) are the schedule's, on the host stream.
@@ -39,6 +41,10 @@ TILE_M, TILE_N = 256, 128  # cuBLAS's largest CTA tile (NVIDIA Matrix Multiplica
 ALIGN_ELEMENTS = 8  # tensor cores want every dimension a multiple of 8 fp16/bf16 elements
 UNALIGNED_FACTOR = 272.7 / 398.4  # ml-engineering: H100, ffn 10922 against 10944 at hidden 4096
 FA_BACKWARD_OVER_FORWARD = 2.5  # FlashAttention benchmarks' FLOP convention
+# the fraction of the streaming rate a fused (Triton) RMSNorm's forward and backward reach:
+# medians over Liger-Kernel's published timings of its fused RMSNorm on A100-SXM4-80GB, A100 PCIe
+# and H100 NVL (bandwidth-bound passes; derived by ``python -m validation.fused_bandwidth``)
+FUSED_NORM_EFFICIENCY = (0.884, 0.219)
 # a part without a published attention curve (or eager-kernel efficiency) borrows one of this family
 NEAREST_ARCH = {"sm80": "sm80", "sm86": "sm80", "sm89": "sm80", "sm90": "sm90", "sm100": "sm90"}
 
@@ -115,6 +121,11 @@ class GpuKernelModel:
         """Eager elementwise work moving ``nbytes`` (the tracer's count)."""
         return max(nbytes / self.eager_Bps, self.kernel_launch_s) if nbytes > 0 else 0.0
 
+    def fused_s(self, nbytes: float, backward: bool) -> float:
+        """A fused RMSNorm kernel's bytes at its measured share of the streaming rate."""
+        rate = self.hbm_Bps * FUSED_NORM_EFFICIENCY[backward]
+        return max(nbytes / rate, self.kernel_launch_s) if nbytes > 0 else 0.0
+
     # -- one layer op ----------------------------------------------------------------------
 
     def sac_recompute_s(self, op: LayerOp, attention_kernel: str) -> float:
@@ -157,8 +168,12 @@ class GpuKernelModel:
             m, n, k = op.gemm
             fwd = self.gemm_s(m, n, k) + self.memory_s(op.memory_bytes)
             return fwd, self.gemm_s(m, k, n) + self.gemm_s(n, k, m)
-        elementwise = self.memory_s(op.memory_bytes)
-        elementwise_bwd = self.memory_s(op.backward_memory_factor * op.memory_bytes)
+        if op.fused_kernel:
+            elementwise = self.fused_s(op.memory_bytes, backward=False)
+            elementwise_bwd = self.fused_s(op.backward_memory_factor * op.memory_bytes, backward=True)
+        else:
+            elementwise = self.memory_s(op.memory_bytes)
+            elementwise_bwd = self.memory_s(op.backward_memory_factor * op.memory_bytes)
         if op.kind is LayerKind.ATTENTION and op.attention is not None:
             fwd, bwd = self.attention_s(op.attention, attention_kernel)
             return fwd + elementwise, bwd + elementwise_bwd

@@ -18,6 +18,7 @@ from sim.workload.options import (
     Fsdp1Options,
     Fsdp2Offload,
     LossKernel,
+    NormKernel,
     OffloadDevice,
     OptimizerName,
     OutputFormat,
@@ -53,6 +54,7 @@ class TrainingSection:
     grad_accum: int = 1
     avg_seq_len: int | None = None  # mean real tokens per sequence padded to seq_len; None: no padding
     loss: LossKernel = LossKernel.EAGER  # eager (HF's cross-entropy) or fused (Liger's fused linear CE)
+    norm: NormKernel = NormKernel.EAGER  # eager (HF's RMSNorm) or fused (torchtitan's Triton RMSNorm)
     # false: accumulate gradients without synchronising (FSDP2 set_requires_gradient_sync(False),
     # DDP no_sync) on every micro-batch but the last: one reduction per optimizer step
     sync_every_microbatch: bool = True

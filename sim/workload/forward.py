@@ -5,7 +5,7 @@ from sim.errors import UserError
 from sim.workload.described import described_layer_ops
 from sim.workload.layers import LayerOp, Workload, llama_layer_ops
 from sim.workload.model import ModelConfig
-from sim.workload.options import LossKernel
+from sim.workload.options import LossKernel, NormKernel
 
 
 def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
@@ -15,6 +15,11 @@ def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             raise UserError(
                 f"training.loss = {w.loss.value!r} is modelled for the Llama presets only, not for a model from a "
                 'config.json yet; use training.loss = "eager"'
+            )
+        if w.norm is not NormKernel.EAGER:
+            raise UserError(
+                f"training.norm = {w.norm.value!r} is modelled for the Llama presets only, not for a model from a "
+                'config.json (whose norms run as its code runs them); use training.norm = "eager"'
             )
         return described_layer_ops(cfg.description, w)
     return llama_layer_ops(cfg, w)

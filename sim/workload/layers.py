@@ -43,7 +43,7 @@ from functools import cache, cached_property
 from sim.dtypes import INDEX_BYTES
 from sim.workload.eager_attention import eager_score_bytes, eager_score_saved_pieces
 from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
-from sim.workload.options import LossKernel
+from sim.workload.options import LossKernel, NormKernel
 
 FP32_BYTES = 4
 
@@ -88,6 +88,15 @@ LAUNCHES = {
     "rotary": (11, 0),
     "loss": (5, 3),
 }
+
+# torchtitan's TritonFusedRMSNorm (torchtitan/models/norms.py, 2024-04, 157a12c56): forward one
+# kernel, with the input's view, ``empty_like`` for y and ``empty`` for rstd around it (host
+# calls: view, empty_like, empty, the launch, reshape); backward the ``_rms_norm_bwd_kernel_sm``
+# kernel, ``_dw.sum(0)`` and its cast to the weight's dtype, and in a block the residual stream's
+# gradient join. As in ``LAUNCHES``, a block's first norm also counts the residual add before it
+# (the block before's last); the add before its second is an op of its own (``_residual_add``)
+FUSED_NORM_HOST_OPS = 5
+FUSED_NORM_LAUNCHES = {"norm": (1, 4), "final_norm": (1, 3)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +211,9 @@ class LayerOp:
     # two backward
     launches: tuple[int, int] | None = None
     backward_memory_factor: float = 2.0  # backward bytes over forward bytes of the memory-bound work
+    # its memory-bound work is one fused kernel (a Triton RMSNorm): it streams, where eager ATen
+    # kernels reach only part of the streaming rate
+    fused_kernel: bool = False
     # torchtitan's op-level selective checkpointing keeps this op's output (a matmul but every
     # second one in its block, or the attention kernel) instead of recomputing it: its bytes
     sac_kept_bytes: int = 0
@@ -242,6 +254,7 @@ class Workload:
     act_bytes: int  # activation dtype (param_dtype under FSDP2 MixedPrecisionPolicy)
     attention_kernel: str  # "flash", "cudnn", "efficient" (no seq^2 buffers) or "math"
     loss: LossKernel = LossKernel.EAGER
+    norm: NormKernel = NormKernel.EAGER
     # an encoder-decoder's decoder length (``training.decoder_seq_len``); None for a decoder
     decoder_seq_len: int | None = None
 
@@ -286,6 +299,26 @@ def _norm(
     after_add: bool = False,
 ) -> LayerOp:
     t, a = w.tokens, w.act_bytes
+    where = "norm" if block is not None else "final_norm"
+    first_in_block = int(block is not None and not after_add)
+    if w.norm is NormKernel.FUSED:
+        # reads x and writes y; backward reads x and dy and writes dx (the weight's per-SM fp32
+        # partial sums, sm_count x h, are left out: a few MiB). It keeps x, rstd (fp32 per row) and
+        # its output, which the next matmuls keep (``save_for_backward(x, weight, rstd)``)
+        return LayerOp(
+            name=name,
+            module=name,
+            kind=LayerKind.NORM,
+            block=block,
+            params=params,
+            flops=0.0,
+            memory_bytes=float(2 * t * h * a),
+            backward_memory_factor=1.5,
+            saved_bytes=t * (2 * h * a + FP32_BYTES),
+            host_ops=FUSED_NORM_HOST_OPS + first_in_block,
+            launches=(FUSED_NORM_LAUNCHES[where][0] + first_in_block, FUSED_NORM_LAUNCHES[where][1]),
+            fused_kernel=True,
+        )
     return LayerOp(
         name=name,
         module=name,
@@ -296,7 +329,23 @@ def _norm(
         memory_bytes=t * h * _norm_bytes_per_element(a) + (_residual_add_bytes(h, w) if after_add else 0.0),
         saved_bytes=t * (h * (FP32_BYTES + 2 * a) + FP32_BYTES),
         host_ops=HOST_OPS["norm"],
-        launches=LAUNCHES["norm" if block is not None else "final_norm"],
+        launches=LAUNCHES[where],
+    )
+
+
+def _residual_add(name: str, h: int, w: Workload, block: int) -> LayerOp:
+    """The residual add before a fused norm, its own eager kernel (an eager norm's op counts it)."""
+    return LayerOp(
+        name=name,
+        module=name.rpartition(".")[0],
+        kind=LayerKind.ELEMENTWISE,
+        block=block,
+        params=(),
+        flops=0.0,
+        memory_bytes=_residual_add_bytes(h, w),
+        saved_bytes=0,
+        host_ops=1,
+        launches=(1, 0),
     )
 
 
@@ -558,6 +607,7 @@ def block_ops(cfg: ModelConfig, i: int, w: Workload) -> list[LayerOp]:
             _linear(v, w, i),
             _attention(cfg, i, w),
             _linear(o, w, i),
+            *([_residual_add(f"{p}.residual_add", cfg.hidden, w, i)] if w.norm is NormKernel.FUSED else []),
             _norm(f"{p}.post_attention_layernorm", (norm2,), cfg.hidden, w, i, after_add=True),
             _linear(gate, w, i),
             _linear(up, w, i),

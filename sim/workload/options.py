@@ -81,6 +81,15 @@ class LossKernel(StrEnum):
     FUSED = "fused"
 
 
+class NormKernel(StrEnum):
+    """How an RMSNorm runs: HF's eager ops (an fp32 copy, pow, mean, rsqrt, two multiplies, casts),
+    or one fused kernel (torchtitan's ``fused_rmsnorm``, ``TritonFusedRMSNorm``, which its Llama 2
+    13B and Llama 3 8B configs of 2024 used): it keeps the input and the per-row fp32 ``rstd``."""
+
+    EAGER = "eager"
+    FUSED = "fused"
+
+
 class OptimizerName(StrEnum):
     ADAMW = "adamw"
     SGD = "sgd"
