@@ -357,22 +357,6 @@ def kernel_section() -> str:
         for c in checks
     ]
     lines += ["", f"Worst |error| {worst:.1%} over {len(checks)} passes.", ""]
-    from validation.fused_bandwidth import fused_norm_efficiency
-    from validation.fused_bandwidth import passes as fused_passes
-
-    fused = [p for p in fused_passes() if p.counted]
-    forward, backward = fused_norm_efficiency()
-    lines += [
-        'A fused RMSNorm (`training.norm = "fused"`, `python -m validation.fused_bandwidth`): Liger-Kernel\'s own '
-        "kernel in the same published data moves its input and output (forward) and its input, output "
-        f"gradient and input gradient (backward) at {forward:.3f} and {backward:.3f} of the streaming rate "
-        f"(medians over {sum(p.direction == 'forward' for p in fused)} and "
-        f"{sum(p.direction == 'backward' for p in fused)} bandwidth-bound passes of the three parts; "
-        f"backward from {min(p.efficiency for p in fused if p.direction == 'backward'):.3f} to "
-        f"{max(p.efficiency for p in fused if p.direction == 'backward'):.3f}), "
-        "`sim.costs.gpu.FUSED_NORM_EFFICIENCY`.",
-        "",
-    ]
     return "\n".join(lines)
 
 

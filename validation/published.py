@@ -464,8 +464,19 @@ def published_section(runs: list[PublishedRun] = RUNS) -> str:
     ]
     lines += sorted({f"- {run.source}; {run.note}" for run in runs})
     from validation.eager_bandwidth import kernel_section
+    from validation.fused_bandwidth import kernel_paragraph
 
-    return "\n".join(lines) + "\n\n" + kernel_section() + "\n" + memory_section() + "\n" + network_section()
+    return (
+        "\n".join(lines)
+        + "\n\n"
+        + kernel_section()
+        + "\n"
+        + kernel_paragraph()
+        + "\n"
+        + memory_section()
+        + "\n"
+        + network_section()
+    )
 
 
 def write_published(path: str | Path = "VALIDATION.md") -> str:
