@@ -1,0 +1,54 @@
+"""Fixtures shared across test files. Under ``pytest -n 2 --dist loadfile`` each worker builds a
+session fixture at most once, for the files it runs."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "scenarios" / "tiny.toml"
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="session")
+def cpu_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This machine's collectives on 2 gloo ranks, measured quickly (small sizes are all the tiny
+    model needs). No compute section: ``fsdpsim validate`` then calibrates the scenario's own."""
+    path = tmp_path_factory.mktemp("profile") / "cpu.json"
+    _run(
+        [sys.executable, "-m", "calibrate", "comm", "--nproc", "2", "--out", str(path), "--max-bytes", "1M"]
+        + ["--dtypes", "fp32,bf16", "--iters", "3", "--max-iters", "5"]
+    )
+    return path
+
+
+def _with_tiny_compute(base: Path, folder: Path, param_dtype: str) -> Path:
+    """``base`` plus the tiny scenario's per-unit compute at ``param_dtype`` on 2 ranks.
+
+    What ``calibrate compute`` measures depends on the model, micro-batch, sequence length, compute
+    dtype, world size and DeepSpeed config only (``calibrate.compute.ComputeTarget``): FSDP1, FSDP2,
+    HSDP and checkpointing runs of one dtype share it, as ``validate --profile`` lets them."""
+    path = folder / f"cpu-tiny-{param_dtype}.json"
+    shutil.copyfile(base, path)
+    _run(
+        [sys.executable, "-m", "calibrate", "compute", str(TINY), "--profile", str(path), "--nproc", "2"]
+        + ["--set", "parallel.world_size=2", "--set", f"precision.param_dtype={param_dtype}"]
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_profile(cpu_profile: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _with_tiny_compute(cpu_profile, tmp_path_factory.mktemp("tiny-fp32"), "fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_profile(cpu_profile: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _with_tiny_compute(cpu_profile, tmp_path_factory.mktemp("tiny-bf16"), "bf16")
