@@ -191,7 +191,7 @@ def build_step(
         strategy=parallel.strategy,
         units=tuple(units),
         segments=segments,
-        figures=tuple(costs.figures(seg) for seg in segments),
+        figures=costs.segment_figures(segments),
         shard_size=scenario.shard_group_size,
         reshard_after_forward=scenario.reshard_after_forward,
         forward_prefetch=parallel.forward_prefetch,

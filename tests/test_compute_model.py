@@ -126,3 +126,47 @@ def test_every_attention_kernel_a_profile_may_name_has_its_launch_counts() -> No
 
     assert set(ATTENTION_LAUNCHES) == set(ATTENTION_KERNELS)
     assert all(forward >= 1 and backward >= 1 for forward, backward in ATTENTION_LAUNCHES.values())
+
+
+def _step_costs(monkeypatch, scenario, profile):
+    """The step's figures, and the cost model and segments ``build_step`` made them from."""
+    from sim.costs.compute import ComputeCosts
+    from sim.simulate import build_step
+
+    seen = {}
+    shared = ComputeCosts.segment_figures
+
+    def spy(self, segments):
+        seen["costs"], seen["segments"] = self, segments
+        return shared(self, segments)
+
+    monkeypatch.setattr(ComputeCosts, "segment_figures", spy)
+    step, _, _ = build_step(scenario, profile)
+    return step.figures, seen["costs"], seen["segments"]
+
+
+@pytest.mark.parametrize("wrap", ["linear", "block"])
+def test_identical_blocks_share_one_figures_computation_with_the_same_result(monkeypatch, wrap):
+    s = make_scenario(model={"preset": "tiny", "n_layers": 4}, parallel={"wrap": wrap})
+    profile = make_profile()
+    figures, costs, segments = _step_costs(monkeypatch, s, profile)
+    computed = []
+    one_by_one = type(costs).figures
+    monkeypatch.setattr(
+        type(costs), "figures", lambda self, seg: computed.append(seg) or one_by_one(self, seg)
+    )
+    assert costs.segment_figures(segments) == figures == tuple(one_by_one(costs, seg) for seg in segments)
+    blocks = [seg for seg in segments if seg.block is not None]
+    assert len(computed) == len(segments) - len(blocks) + len(blocks) // 4  # one block's, for all four
+
+
+def test_blocks_scaled_one_by_one_are_computed_one_by_one(monkeypatch):
+    from sim.costs.compute import GroupScale
+
+    s = make_scenario(model={"preset": "tiny", "n_layers": 2})
+    _, costs, segments = _step_costs(monkeypatch, s, make_profile())
+    scaled = dataclasses.replace(costs, block_scales={0: GroupScale(forward=1.0), 1: GroupScale(forward=3.0)})
+    figures = scaled.segment_figures(segments)
+    assert figures == tuple(scaled.figures(seg) for seg in segments)
+    first, second = (f for f, seg in zip(figures, segments, strict=True) if seg.block is not None)
+    assert second.forward_s == pytest.approx(3 * first.forward_s, rel=1e-12)

@@ -15,7 +15,8 @@ embedding by ``embed``, and all other work outside the blocks (rotary tables inc
 """
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Protocol
 
 from sim.costs.gpu import has_gpu_figures, kernel_model
@@ -160,6 +161,12 @@ class SegmentFigures:
         return held(best), (*own, *grads)
 
 
+# the LayerOp fields ``ComputeCosts.figures`` reads as they are (``_cost_key`` adds block and params)
+_COST_FIELDS = attrgetter(
+    *(f.name for f in fields(LayerOp) if f.name not in {"name", "module", "block", "params", "reuses"})
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ComputeCosts:
     """The compute cost model for one scenario on one profile."""
@@ -216,6 +223,28 @@ class ComputeCosts:
         else:
             scale = self.scales.get(op.group) if op.group else None
         return 1.0 if scale is None else float(getattr(scale, quantity))
+
+    def segment_figures(self, segments: Sequence[Segment]) -> tuple[SegmentFigures, ...]:
+        """``figures`` of each segment. Segments whose ops differ only in what the figures never
+        read (a model's identical blocks: names, and block indices unless blocks are scaled one
+        by one) share one computation: a step of linear wrap has hundreds of segments, and a
+        tuner builds hundreds of steps."""
+        memo: dict[tuple[object, ...], SegmentFigures] = {}
+        out = []
+        for seg in segments:
+            key = tuple(self._cost_key(op) for op in seg.ops)
+            if key not in memo:
+                memo[key] = self.figures(seg)
+            out.append(memo[key])
+        return tuple(out)
+
+    def _cost_key(self, op: LayerOp) -> tuple[object, ...]:
+        """``op`` less what ``figures`` does not read: its and its parameters' names, its module,
+        the modules it reuses, and (without per-block scales) its block's index beyond whether
+        it has one (``LayerOp.group``)."""
+        block = op.block if self.block_scales or op.block is None else 0
+        params = tuple((p.shape, p.trainable, p.dtype, p.quantized_numel) for p in op.params)
+        return (block, params, *_COST_FIELDS(op))
 
     def figures(self, seg: Segment) -> SegmentFigures:
         """A segment's times and bytes (the step computes them once per segment)."""
