@@ -8,12 +8,14 @@ run leaves no profile behind. Like torchrun, it sets OMP_NUM_THREADS (cores / N)
 """
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 WORKER_ENV = "FSDPSIM_CALIBRATE_WORKER"
 COMMAND_ENV = "FSDPSIM_CALIBRATE_COMMAND"
@@ -26,7 +28,29 @@ class LaunchResult:
     message: str
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
 def free_port() -> int:
+    """A free port for the rendezvous, below the ephemeral range: a port the kernel hands out
+    (``bind(0)``) is free only until someone else's connection takes it, and gloo's own
+    connections (another job's, on a shared machine) take ephemeral ports by the hundred between
+    this call and rank 0's listen."""
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12288), low))
+    random.shuffle(candidates)
+    for port in candidates[:64]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

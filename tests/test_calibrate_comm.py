@@ -186,3 +186,17 @@ def test_gpu_nccl_sweep(tmp_path: Path) -> None:
     assert all(c.sizes_bytes[-1] >= 32 << 20 for c in prof.collectives)
     doc = json.loads(out.read_text())
     assert all(p["wrong"] == 0 for c in doc["collectives"] for p in c["points"])
+
+
+def test_the_rendezvous_port_is_free_and_outside_the_ephemeral_range() -> None:
+    """Another job's gloo connections take ephemeral ports: a rendezvous port there can be taken
+    between choosing it and rank 0's listen (EADDRINUSE, seen with two test workers)."""
+    import socket
+
+    from calibrate.launch import _ephemeral_range, free_port
+
+    low, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free: it binds

@@ -8,7 +8,6 @@ at once, so the file takes about as long as the real runs (~60 s on 2 cores).
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from calibrate.launch import free_port
 from sim.errors import UserError
 from sim.scenario.loader import load_scenario
 from sim.workload.model import param_specs
@@ -40,18 +40,12 @@ WORLD_SIZES = (2, 8, 64)
 VARIANT = ["model.n_kv_heads=4", 'checkpointing.mode="full"']
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_real_run(out_dir: Path, overrides: list[str]) -> list[subprocess.Popen]:
     """``python -m validation.worker SPEC.json`` as ranks 0 and 1 of a gloo group (tiny, world size 2)."""
     spec = {"scenario": TINY, "overrides": overrides, "warmup": 1, "steps": 1, "out_dir": str(out_dir)}
     spec_path = out_dir / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
