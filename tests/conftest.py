@@ -4,12 +4,28 @@ session fixture at most once, for the files it runs."""
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "scenarios" / "tiny.toml"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _model_descriptions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One description cache (``FSDPSIM_CACHE_DIR``) for the whole run, shared by the xdist workers
+    (their base folders' parent), never the user's: a model described at the same dims and
+    settings is measured once per run, whichever file asks first. Descriptions are written
+    atomically, so two workers measuring one at once both leave a whole file. Tests of the
+    cache's own behaviour (a miss measures, a hit does not) point it at a folder of their own."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if base.name.startswith("popen-gw") else base) / "model-descriptions"
+    shared.mkdir(exist_ok=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FSDPSIM_CACHE_DIR", str(shared))
+        yield shared
 
 
 def _run(cmd: list[str]) -> None:

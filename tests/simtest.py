@@ -4,7 +4,6 @@ import copy
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,15 +152,12 @@ def calibrated_compute_profile(folder: Path, scenario: Path, name: str) -> Path:
 
 def description_cache(name: str) -> Any:
     """A module-scoped ``folder`` fixture: a temporary folder (``name``) for a test module's scenarios
-    of Hugging Face configs, their descriptions cached in it (``FSDPSIM_CACHE_DIR``, which the
-    ranks a calibration starts inherit)."""
+    of Hugging Face configs. Their descriptions go to the run's one cache (``conftest``'s
+    ``FSDPSIM_CACHE_DIR``, which the ranks a calibration starts inherit)."""
 
     @pytest.fixture(scope="module")
-    def folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-        path = tmp_path_factory.mktemp(name)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("FSDPSIM_CACHE_DIR", str(path / "cache"))
-            yield path
+    def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return tmp_path_factory.mktemp(name)
 
     return folder
 

@@ -67,7 +67,7 @@ def test_an_unknown_value_is_one_line_exit_2(tmp_path: Path) -> None:
     ],
 )
 def test_eager_llama_memory_matches_real_fsdp_in_fake_mode(
-    tmp_path: Path, monkeypatch, fsdp_version: int, checkpointing: str, seq_len: int
+    tmp_path: Path, fsdp_version: int, checkpointing: str, seq_len: int
 ) -> None:
     """transformers' Llama built with attn_implementation "eager", one rank of 4 under the fake
     process group: the predicted peak within 1 % of the measured. Seq 1,024: without
@@ -78,7 +78,6 @@ def test_eager_llama_memory_matches_real_fsdp_in_fake_mode(
     pytest.importorskip("transformers")
     from validation.memory_only import validate_memory_only
 
-    monkeypatch.setenv("FSDPSIM_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "config.json").write_text((DATA / "tiny-llama.json").read_text())
     path = tmp_path / "s.toml"
     path.write_text(

@@ -77,14 +77,11 @@ def _measured_block_forward_peak(attention: str) -> int:
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_a_checkpointed_blocks_forward_holds_what_its_ops_still_use(
-    tmp_path: Path, monkeypatch, attention: str
-) -> None:
+def test_a_checkpointed_blocks_forward_holds_what_its_ops_still_use(tmp_path: Path, attention: str) -> None:
     """tiny-llama, 2 x 256, bf16: the predicted peak of block 1's checkpointed forward (the most
     of its ops' figures, the eager kernel's s^2 tensors included) within the untraced small
     storages of the real one, never above it (eager: 16 KB under, SDPA: 67 KB under; before,
     all the block's saves plus its transient: +6.8 % and +134 %)."""
-    monkeypatch.setenv("FSDPSIM_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "s.toml"
     path.write_text(
         f'[model]\nconfig = "{DATA / "tiny-llama.json"}"\n[training]\nmicro_batch = 2\nseq_len = 256\n'

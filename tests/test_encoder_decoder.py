@@ -186,13 +186,12 @@ def test_decoder_seq_len_is_refused_for_a_decoder(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_t5_memory_matches_real_fsdp2_in_fake_mode(tmp_path: Path, monkeypatch) -> None:
+def test_t5_memory_matches_real_fsdp2_in_fake_mode(tmp_path: Path) -> None:
     """PyTorch's FSDP2 on the real T5ForConditionalGeneration, one rank of 4 under the fake process
     group, the decoder half the encoder's length: the predicted peak within 1 % of the measured
     one (−0.0 % when measured, VALIDATION.md)."""
     from validation.memory_only import validate_memory_only
 
-    monkeypatch.setenv("FSDPSIM_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "config.json").write_text(CONFIG.read_text())
     path = tmp_path / "s.toml"
     path.write_text(

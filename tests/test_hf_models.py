@@ -240,8 +240,7 @@ def test_unknown_preset_lists_the_library(tmp_path: Path) -> None:
         load_scenario(_scenario(tmp_path, 'preset = "no-such-model"'))
 
 
-def test_a_library_name_and_its_hub_id_give_one_model(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("FSDPSIM_CACHE_DIR", str(tmp_path / "cache"))
+def test_a_library_name_and_its_hub_id_give_one_model(tmp_path: Path) -> None:
     by_name = load_scenario(_scenario(tmp_path, 'preset = "olmo-2-1b"'))
     by_hub = load_scenario(_scenario(tmp_path, 'preset = "allenai/OLMo-2-0425-1B"'))
     assert by_name.model == by_hub.model
@@ -256,12 +255,11 @@ def test_a_config_with_other_model_keys_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe"])
-def test_moe_memory_matches_real_fsdp2_in_fake_mode(tmp_path: Path, monkeypatch, name: str) -> None:
+def test_moe_memory_matches_real_fsdp2_in_fake_mode(tmp_path: Path, name: str) -> None:
     """PyTorch's FSDP2 on the real transformers MoE model, one rank of 4 under the fake process
     group: the predicted peak equals the measured one (0.0 % when measured, see VALIDATION.md)."""
     from validation.memory_only import validate_memory_only
 
-    monkeypatch.setenv("FSDPSIM_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "config.json").write_text((DATA / f"{name}.json").read_text())
     path = tmp_path / "s.toml"
     path.write_text(

@@ -90,15 +90,12 @@ def test_keeping_the_output_holds_the_logits_through_backward(tmp_path: Path) ->
         ["parallel.fsdp_version=1", 'checkpointing.mode="full"'],
     ],
 )
-def test_memory_matches_the_real_loop_that_keeps_its_output(
-    tmp_path: Path, monkeypatch, extra: list[str]
-) -> None:
+def test_memory_matches_the_real_loop_that_keeps_its_output(tmp_path: Path, extra: list[str]) -> None:
     """tiny-llama, one rank of 4 under the fake process group, two tracked steps (the second
     runs while the first's output is held): the predicted peak within 1 % (-0.0 % measured)."""
     pytest.importorskip("transformers")
     from validation.memory_only import validate_memory_only
 
-    monkeypatch.setenv("FSDPSIM_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "s.toml"
     path.write_text(
         f'[model]\nconfig = "{DATA / "tiny-llama.json"}"\n[training]\nmicro_batch = 2\nseq_len = 256\n'

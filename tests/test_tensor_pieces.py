@@ -23,9 +23,7 @@ def _eager_ckpt(tmp_path_factory, extra: str = ""):  # type: ignore[no-untyped-d
         'attention = "eager"\n[parallel]\nworld_size = 4\n[precision]\nparam_dtype = "bf16"\n'
         'reduce_dtype = "fp32"\n[checkpointing]\nmode = "full"\n' + extra
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FSDPSIM_CACHE_DIR", str(tmp / "cache"))
-        return simulate(load_scenario(path))
+    return simulate(load_scenario(path))
 
 
 @pytest.fixture(scope="module")
