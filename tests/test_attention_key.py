@@ -78,10 +78,9 @@ def test_eager_llama_memory_matches_real_fsdp_in_fake_mode(
     pytest.importorskip("transformers")
     from validation.memory_only import validate_memory_only
 
-    (tmp_path / "config.json").write_text((DATA / "tiny-llama.json").read_text())
     path = tmp_path / "s.toml"
     path.write_text(
-        f'[model]\nconfig = "config.json"\n[training]\nmicro_batch = 2\nseq_len = {seq_len}\nattention = "eager"\n'
+        f'[model]\nconfig = "{DATA / "tiny-llama.json"}"\n[training]\nmicro_batch = 2\nseq_len = {seq_len}\nattention = "eager"\n'
         f"[parallel]\nworld_size = 4\nfsdp_version = {fsdp_version}\n"
         '[precision]\nparam_dtype = "bf16"\nreduce_dtype = "fp32"\n'
         f"[checkpointing]\n{checkpointing}\n"

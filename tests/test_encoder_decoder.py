@@ -192,10 +192,9 @@ def test_t5_memory_matches_real_fsdp2_in_fake_mode(tmp_path: Path) -> None:
     one (−0.0 % when measured, VALIDATION.md)."""
     from validation.memory_only import validate_memory_only
 
-    (tmp_path / "config.json").write_text(CONFIG.read_text())
     path = tmp_path / "s.toml"
     path.write_text(
-        '[model]\nconfig = "config.json"\n[training]\nmicro_batch = 2\nseq_len = 256\ndecoder_seq_len = 128\n'
+        f'[model]\nconfig = "{CONFIG}"\n[training]\nmicro_batch = 2\nseq_len = 256\ndecoder_seq_len = 128\n'
         '[parallel]\nworld_size = 4\n[precision]\nparam_dtype = "bf16"\nreduce_dtype = "fp32"\n'
     )
     comparison, measured = validate_memory_only(str(path), [], timeout_s=300)

@@ -260,10 +260,9 @@ def test_moe_memory_matches_real_fsdp2_in_fake_mode(tmp_path: Path, name: str) -
     group: the predicted peak equals the measured one (0.0 % when measured, see VALIDATION.md)."""
     from validation.memory_only import validate_memory_only
 
-    (tmp_path / "config.json").write_text((DATA / f"{name}.json").read_text())
     path = tmp_path / "s.toml"
     path.write_text(
-        '[model]\nconfig = "config.json"\n[training]\nmicro_batch = 2\nseq_len = 512\n'
+        f'[model]\nconfig = "{DATA / f"{name}.json"}"\n[training]\nmicro_batch = 2\nseq_len = 512\n'
         '[parallel]\nworld_size = 4\n[precision]\nparam_dtype = "bf16"\nreduce_dtype = "fp32"\n'
     )
     comparison, measured = validate_memory_only(str(path), [], timeout_s=300)
