@@ -22,6 +22,7 @@ LAYERS = {
     "sim.errors": 0,
     "sim.dtypes": 1,
     "sim.fileio": 1,
+    "sim.childproc": 1,
     "sim.core": 2,
     "sim.workload": 2,
     "sim.hardware": 2,

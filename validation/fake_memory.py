@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -42,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sim.childproc import ChildTimeout, run_module
 from sim.errors import UserError
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
@@ -412,22 +412,24 @@ def _tracked_steps(trainer: FakeTrainer) -> None:
 def measure_fake_memory_subprocess(
     scenario_path: str, overrides: list[str], timeout_s: float, detail: bool = False
 ) -> dict[str, Any]:
-    """``measure_fake_memory`` in a fresh ``python -m validation.fake_memory`` child.
+    """``measure_fake_memory`` in a ``python -m validation.fake_memory`` child of its own, forked
+    from a server that imported torch and transformers once (``sim.childproc``).
 
-    Adds ``process_wall_s`` (the whole child, imports included) and ``max_rss_bytes`` (the
-    child's peak resident memory). A failing or timed-out child raises a UserError.
+    Adds ``process_wall_s`` (the child's whole run; the server's imports only in a process's
+    first) and ``max_rss_bytes`` (the child's peak resident memory, the imported packages
+    included). A failing or timed-out child raises a UserError.
     """
-    cmd = [sys.executable, "-m", "validation.fake_memory", str(scenario_path)]
+    args = [str(scenario_path)]
     for text in overrides:
-        cmd += ["--set", text]
+        args += ["--set", text]
     if detail:
-        cmd.append("--detail")
+        args.append("--detail")
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=root)
-    except subprocess.TimeoutExpired:
+    try:  # forked from a server that imported torch and transformers once (sim.childproc)
+        proc = run_module("validation.fake_memory", args, env=env, cwd=root, timeout_s=timeout_s)
+    except ChildTimeout:
         raise UserError(
             f"fake memory measurement of {scenario_path} {' '.join(overrides)} timed out after {timeout_s:.0f} s"
         ) from None

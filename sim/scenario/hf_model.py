@@ -6,7 +6,8 @@ config written from the published one, its source recorded). Nothing reaches a h
 library does not have is one clear error saying where to put the config.
 
 The description is measured on the torch side (``python -m hfmodel describe``, run as a child
-process so that this package imports no torch) at the scenario's micro-batch, sequence length and
+process so that this package imports no torch; forked from a server that imported torch and
+transformers once, ``sim.childproc``) at the scenario's micro-batch, sequence length and
 compute dtype, and cached on disk under ``$FSDPSIM_CACHE_DIR`` (default
 ``~/.cache/fsdp-sim/models``) keyed by the config's content, those dims, the description version
 and the installed transformers: a sweep pays each extraction once.
@@ -15,13 +16,12 @@ and the installed transformers: a sweep pays each extraction once.
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from sim.childproc import ChildTimeout, run_module
 from sim.errors import UserError
 from sim.fileio import read_json, write_json_atomic
 from sim.workload.description import DESCRIPTION_VERSION, ModelDescription, finetune_key, parse_description
@@ -131,18 +131,27 @@ def _extract(
     decoder_seq_len: int | None,
 ) -> None:
     root = Path(__file__).resolve().parent.parent.parent
-    cmd = [sys.executable, "-m", "hfmodel", "describe", str(config_path), "--name", name]
-    cmd += ["--micro-batch", str(micro_batch), "--seq-len", str(seq_len), "--dtype", dtype, "--out", str(out)]
+    args = ["describe", str(config_path), "--name", name]
+    args += [
+        "--micro-batch",
+        str(micro_batch),
+        "--seq-len",
+        str(seq_len),
+        "--dtype",
+        dtype,
+        "--out",
+        str(out),
+    ]
     if finetune is not None:
-        cmd += ["--finetune", json.dumps(finetune, sort_keys=True)]
+        args += ["--finetune", json.dumps(finetune, sort_keys=True)]
     if decoder_seq_len is not None:
-        cmd += ["--decoder-seq-len", str(decoder_seq_len)]
+        args += ["--decoder-seq-len", str(decoder_seq_len)]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     )
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=EXTRACT_TIMEOUT_S, env=env)
-    except subprocess.TimeoutExpired:
+    try:  # a child of a forkserver that imported torch and transformers once (sim.childproc)
+        proc = run_module("hfmodel", args, env=env, cwd=os.getcwd(), timeout_s=EXTRACT_TIMEOUT_S)
+    except ChildTimeout:
         raise UserError(
             f"{where}: measuring {config_path} timed out after {EXTRACT_TIMEOUT_S:.0f} s"
         ) from None

@@ -1,0 +1,140 @@
+"""``python -m MODULE ARGS`` as a child process whose torch-side imports are paid once per process.
+
+The measuring children (``python -m hfmodel describe``, ``python -m validation.fake_memory``) each
+import torch and transformers first: 5-7 s of CPU on a 2-core machine, several times what a
+tiny model's measurement takes. So a process forks them from one server that imported those
+packages once (``python -m hfmodel.forkserver``, started on the first request and ending with
+this process): a sweep over described models, or the test suite, pays the imports once. Each
+child is still a process of its own, as the measurements need (fake-mode and process-group
+state stays behind in it), and gets the environment, working directory and arguments a
+``subprocess.run([sys.executable, "-m", MODULE, *ARGS])`` would; its stdout and stderr are
+captured. Unlike ``multiprocessing``'s forkserver, nothing of the caller's ``__main__`` is
+re-imported in the child.
+
+This module imports no torch: the server does, in its own process.
+"""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SERVER_MODULE = "hfmodel.forkserver"
+_ROOT = Path(__file__).resolve().parent.parent  # where hfmodel lives beside sim
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChildResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class ChildTimeout(Exception):
+    """The child ran past its time limit (it has been killed)."""
+
+
+class _Server:
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+        self.owner = os.getpid()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", SERVER_MODULE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        self._pending = b""  # what was read of the replies beyond the last whole line
+
+    @property
+    def usable(self) -> bool:
+        return self.owner == os.getpid() and self.proc.poll() is None
+
+    def _reply(self, timeout_s: float | None) -> dict[str, object] | None:
+        """The server's next reply line; None when none came within ``timeout_s``."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while b"\n" not in self._pending:
+            if deadline is not None:
+                ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise ConnectionError("the fork server ended")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        reply: dict[str, object] = json.loads(line)
+        return reply
+
+    def run(self, request: dict[str, object], timeout_s: float) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        started = self._reply(None)
+        assert started is not None
+        done = self._reply(timeout_s)
+        if done is None:
+            pid = started["pid"]
+            assert isinstance(pid, int)
+            os.kill(pid, signal.SIGKILL)
+            self._reply(None)
+            raise ChildTimeout
+        code = done["returncode"]
+        assert isinstance(code, int)
+        return code
+
+
+_idle: list[_Server] = []  # servers between requests: one per caller running at once
+_lock = threading.Lock()
+
+
+def _take() -> _Server:
+    with _lock:
+        while _idle:
+            server = _idle.pop()
+            if server.usable:
+                return server
+    return _Server()
+
+
+def run_module(
+    module: str, argv: list[str], *, env: dict[str, str], cwd: str | Path, timeout_s: float
+) -> ChildResult:
+    """``python -m module *argv`` with ``env`` in ``cwd``, forked from a preloaded server; raises
+    ChildTimeout (after killing the child) when it runs past ``timeout_s``. Threads may call it
+    at once: each gets a server of its own."""
+    with tempfile.TemporaryDirectory(prefix="fsdpsim-child-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        request: dict[str, object] = {
+            "module": module,
+            "argv": list(argv),
+            "env": dict(env),
+            "cwd": str(cwd),
+            "stdout": str(out),
+            "stderr": str(err),
+        }
+        server = _take()
+        try:
+            code = server.run(request, timeout_s)
+        except ChildTimeout:
+            with _lock:
+                _idle.append(server)  # it has reaped the killed child and serves on
+            raise ChildTimeout(f"python -m {module} ran past {timeout_s:.0f} s") from None
+        except OSError:  # the server died (killed from outside): one fresh try, then the error stands
+            server = _Server()
+            code = server.run(request, timeout_s)
+        with _lock:
+            _idle.append(server)
+        read = lambda path: path.read_text(errors="replace") if path.exists() else ""  # noqa: E731
+        return ChildResult(returncode=code, stdout=read(out), stderr=read(err))
