@@ -26,6 +26,7 @@ from typing import Any
 from sim.core.events import Stream
 from sim.errors import UserError
 from sim.outputs.allocator import CachingAllocator
+from validation.fsdp1_init import simulated_reserved_bytes
 
 STREAMS = {s.value: s for s in Stream}
 
@@ -127,7 +128,9 @@ def main(argv: list[str]) -> int:
         from validation.legacy_transformers import load_scenario_or_row, use_site
 
         scenario = load_scenario_or_row(args.scenario, args.memory_row, args.overrides)
-        report = build_report(simulate(scenario))
+        simulated = simulate(scenario)
+        report = build_report(simulated)
+        after_init, with_init = simulated_reserved_bytes(simulated, fsdp1_init=True)
         if args.site:
             use_site(args.site)
         log, _ = logged_step(scenario, legacy=bool(args.site))
@@ -139,6 +142,11 @@ def main(argv: list[str]) -> int:
             "simulated": {
                 "peak_allocated_bytes": report.peak_memory_bytes,
                 "peak_reserved_bytes": report.peak_reserved_bytes,
+            },
+            # the simulated step after FSDP1's initialisation and empty_cache() (validation.fsdp1_init)
+            "simulated_after_fsdp1_init": {
+                "reserved_after_init_bytes": after_init,
+                "peak_reserved_bytes": with_init,
             },
         }
         for steps in (1, 2):

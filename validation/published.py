@@ -328,6 +328,26 @@ def _here_against_published(run: PublishedMemoryRun) -> str:
     return f"{_error(run.measured_here_bytes / GIB, published, run.whole_gib):+.1%}"
 
 
+def _with_fsdp1_init(run: PublishedMemoryRun) -> tuple[int, int]:
+    """The run's simulated peak reserved with FSDP1's initialisation in front, and without."""
+    from validation.fsdp1_init import simulated_reserved_bytes
+
+    result = simulate(scenario_from_dict(run.tables, run.name, []))
+    return (
+        simulated_reserved_bytes(result, fsdp1_init=True)[1],
+        simulated_reserved_bytes(result, fsdp1_init=False)[1],
+    )
+
+
+def _fsdp1_init_text(runs: list[PublishedMemoryRun]) -> str:
+    pairs = [_with_fsdp1_init(r) for r in runs]
+    apart = max(abs(a - b) for a, b in pairs) / GIB
+    return (
+        ", ".join(f"{a / GIB:.2f} against {b / GIB:.2f} GiB" for a, b in pairs)
+        + f" (with, against without, the rows in order): at most {apart:.2f} GiB apart"
+    )
+
+
 def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
     lines = [
         "### Peak memory (development set)",
@@ -393,8 +413,12 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "misses is not the step's own reuse; nor is it reuse deferred by `record_stream`: holding every free of the "
         "unshard and post-backward streams' blocks until up to three more unsharded flat parameters have been "
         "allocated (a host one to three units ahead) leaves the first row's replay at 17.34 GiB (measured "
-        "2026-12-04); candidates, none identified: the segments FSDP1's initialisation leaves cached, "
-        "allocations fake mode cannot see. "
+        "2026-12-04); nor the segments FSDP1's initialisation leaves cached: the simulated step after it "
+        "(per unit each parameter moved to the GPU, the FlatParameter made and the parameters freed, the "
+        "shard cloned out and the full one freed, then `empty_cache()` and the peak reset, as the recipe's "
+        "`MemoryTrace` does; `validation/fsdp1_init.py`) reserves "
+        + _fsdp1_init_text(runs)
+        + ". The candidate left: allocations fake mode cannot see. "
         "The simulator now allocates a segment's saved activations and transients as the tensors they are "
         "made of (the tracer's storages; the eager attention's fp32 softmax and its bf16 cast as two), where it "
         "allocated each as one block of up to 5.4 GiB, and its memory records name the stream that allocates "

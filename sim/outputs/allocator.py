@@ -111,7 +111,7 @@ class CachingAllocator:
 
     def _new_segment(self, key: tuple[Stream, bool], size: int) -> tuple[int, int, int]:
         if self.reserved + size > self.capacity:
-            self._release_free_segments()
+            self.release_free_segments()
         seg = self._next_segment
         self._next_segment += 1
         self.segments[seg] = [_Block(segment=seg, offset=0, size=size)]
@@ -120,7 +120,8 @@ class CachingAllocator:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return size, seg, 0
 
-    def _release_free_segments(self) -> None:
+    def release_free_segments(self) -> None:
+        """Give back every fully free cached segment (``release_cached_blocks``, ``empty_cache()``)."""
         for seg, blocks in list(self.segments.items()):
             if len(blocks) == 1 and blocks[0].free:
                 pool = self._pool(self.segment_pool.pop(seg))
