@@ -17,8 +17,17 @@ import sys
 import traceback
 from typing import Any
 
-# what the measuring children import first (PEFT for fine-tuned models); one not installed is skipped
-PRELOAD = ("torch", "torch.distributed.fsdp", "transformers", "peft")
+# what every measuring child imports (its own modules and the model machinery of transformers,
+# which a model's class pulls in lazily); PEFT is left to the fine-tuned models' children, since
+# importing it (bitsandbytes with it) would add 3-4 s to every process's first description
+PRELOAD = (
+    "torch",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.modeling_utils",
+    "hfmodel.describe",
+    "validation.fake_memory",
+)
 
 
 def _preload() -> None:
