@@ -1,5 +1,5 @@
-"""Model descriptions one after another: the first pays the fork server's imports of torch,
-transformers and PEFT (``sim/childproc.py``), each next one only its own measurement.
+"""Model descriptions one after another: the first pays the fork server's imports of torch and
+transformers' model machinery (``sim/childproc.py``), each next one only its own measurement.
 
 Describes tiny-llama (tests/data/hf) at four sequence lengths into an empty cache and prints each
 extraction's wall time, then the same four in fresh interpreters (``python -m hfmodel describe``,

@@ -4,8 +4,8 @@ reserves (``make validate-published`` quotes both, beside the published reserved
 
 from collections.abc import Sequence
 
-from sim.core.events import Stream
-from sim.outputs.allocator import CachingAllocator, allocator_order, tensor_sizes
+from sim.core.events import MemoryCategory, MemoryRecord
+from sim.outputs.allocator import CachingAllocator, allocator_order, serve_record
 from sim.schedule.model_state import stored_bytes, unit_stored_bytes
 from sim.simulate import SimResult
 from sim.workload.units import WrapUnit
@@ -42,43 +42,63 @@ def simulated_reserved_bytes(result: SimResult, *, fsdp1_init: bool) -> tuple[in
     ``param:`` record) and the full one freed; then ``empty_cache()`` and the peak reset, as
     llama-recipes' ``MemoryTrace`` does at an epoch's start. The shards then live where that left
     them, not packed at the step's start."""
-    step, device = result.step, result.profile.device
+    device = result.profile.device
     records = allocator_order(list(result.events.memory_of(0)))
-    by_label = {r.label: r for r in records if r.delta_bytes > 0}
     allocator = CachingAllocator(device.memory_bytes - device.context_bytes)
     served: dict[str, int] = {}
-
-    def malloc(label: str, sizes: Sequence[int], stream: Stream) -> None:
-        served[label] = len(sizes)
-        for k, nbytes in enumerate(sizes):
-            allocator.malloc(f"{label}#{k}", nbytes, stream)
-
-    def free(label: str) -> None:
-        for k in range(served.pop(label)):
-            allocator.free(f"{label}#{k}")
-
     placed: set[str] = set()
     if fsdp1_init:
-        for unit in fsdp1_init_order(step.units):
-            moved = [p.numel * stored_bytes(step, p) for p in unit.params]
-            malloc(f"init:{unit.name}", moved, Stream.COMPUTE)
-            malloc(
-                f"flat:{unit.name}", [step.padded_numel(unit) * unit_stored_bytes(step, unit)], Stream.COMPUTE
-            )
-            free(f"init:{unit.name}")
-            shard = by_label.get(f"param:{unit.name}")
-            if shard is not None:
-                malloc(shard.label, tensor_sizes(shard), shard.stream)
-                placed.add(shard.label)
-            free(f"flat:{unit.name}")
+        shards = {r.label: r for r in records if r.delta_bytes > 0 and r.label.startswith("param:")}
+        for rec in _fsdp1_init_records(result, shards):
+            serve_record(allocator, rec, served)
+        placed = set(shards)
         allocator.release_free_segments()
         allocator.peak_reserved = allocator.reserved
     after_init = allocator.reserved
     if device.cublas_workspace_bytes:
-        malloc("cublas_workspace", [device.cublas_workspace_bytes], Stream.COMPUTE)
+        workspace = MemoryRecord(
+            rank=0,
+            time_s=0.0,
+            category=MemoryCategory.OTHER,
+            delta_bytes=device.cublas_workspace_bytes,
+            label="cublas_workspace",
+        )
+        serve_record(allocator, workspace, served)
     for rec in records:
-        if rec.delta_bytes > 0 and rec.label not in placed:
-            malloc(rec.label, tensor_sizes(rec), rec.stream)
-        elif rec.delta_bytes <= 0:
-            free(rec.label)
+        if rec.label not in placed or rec.delta_bytes <= 0:
+            serve_record(allocator, rec, served)
     return after_init, allocator.peak_reserved
+
+
+def _fsdp1_init_records(result: SimResult, shards: dict[str, MemoryRecord]) -> list[MemoryRecord]:
+    """FSDP1's initialisation as memory records on the compute stream, unit by unit
+    (``fsdp1_init_order``): its parameters moved, its FlatParameter made, the parameters freed,
+    its shard (the step's ``param:`` record) cloned out, the FlatParameter freed."""
+    step = result.step
+    out: list[MemoryRecord] = []
+
+    def record(label: str, nbytes: int, pieces: tuple[int, ...] = ()) -> None:
+        if nbytes == 0:  # a unit without parameters of its own moves and flattens nothing
+            return
+        out.append(
+            MemoryRecord(
+                rank=0,
+                time_s=0.0,
+                category=MemoryCategory.PARAMS,
+                delta_bytes=nbytes,
+                label=label,
+                pieces=pieces,
+            )
+        )
+
+    for unit in fsdp1_init_order(step.units):
+        moved = tuple(p.numel * stored_bytes(step, p) for p in unit.params)
+        flat = step.padded_numel(unit) * unit_stored_bytes(step, unit)
+        record(f"init:{unit.name}", sum(moved), moved)
+        record(f"flat:{unit.name}", flat)
+        record(f"init:{unit.name}", -sum(moved))
+        shard = shards.get(f"param:{unit.name}")
+        if shard is not None:
+            out.append(shard)
+        record(f"flat:{unit.name}", -flat)
+    return out

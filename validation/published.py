@@ -8,6 +8,7 @@ torchtitan's 2024 A100 cluster), the assumption is named in the run's ``note``. 
 written between markers in VALIDATION.md, so the rest of the file is kept.
 """
 
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 from sim.fileio import write_text_atomic
 from sim.outputs.report import StepReport, build_report
 from sim.scenario.loader import scenario_from_dict
-from sim.simulate import simulate
+from sim.simulate import SimResult, simulate
 from validation.published_network import network_section
 
 BEGIN, END = "<!-- published:begin -->", "<!-- published:end -->"
@@ -280,8 +281,20 @@ def _shown(published: float, whole_gib: bool) -> str:
     return f"[{published:.0f}, {published + 1:.0f})" if whole_gib else f"{published:.2f}"
 
 
+_SIMULATED: dict[tuple[str, str], SimResult] = {}
+
+
+def _simulated(run: PublishedMemoryRun) -> SimResult:
+    """The run's simulated step, once per run (keyed by its name and tables) for its row, its
+    notes and the initialisation check."""
+    key = (run.name, json.dumps(run.tables, sort_keys=True))
+    if key not in _SIMULATED:
+        _SIMULATED[key] = simulate(scenario_from_dict(run.tables, run.name, []))
+    return _SIMULATED[key]
+
+
 def _memory_row(run: PublishedMemoryRun) -> tuple[str, list[float]]:
-    r = predict_tables(run.name, run.tables)
+    r = build_report(_simulated(run))
     allocated, active = r.peak_memory_bytes / GIB, r.peak_active_bytes / GIB
     reserved = r.peak_reserved_bytes / GIB
     whole = run.whole_gib
@@ -310,7 +323,7 @@ def active_peak_holdings(run: PublishedMemoryRun) -> tuple[str, dict[str, int]]:
     parameters; and the label of the request that makes the peak."""
     from sim.outputs.allocator import allocator_order
 
-    result = simulate(scenario_from_dict(run.tables, run.name, []))
+    result = _simulated(run)
     live: dict[str, int] = {}
     peak, held, at = 0, dict(live), ""
     for rec in allocator_order(list(result.events.memory_of(0))):
@@ -332,7 +345,7 @@ def _with_fsdp1_init(run: PublishedMemoryRun) -> tuple[int, int]:
     """The run's simulated peak reserved with FSDP1's initialisation in front, and without."""
     from validation.fsdp1_init import simulated_reserved_bytes
 
-    result = simulate(scenario_from_dict(run.tables, run.name, []))
+    result = _simulated(run)
     return (
         simulated_reserved_bytes(result, fsdp1_init=True)[1],
         simulated_reserved_bytes(result, fsdp1_init=False)[1],

@@ -154,6 +154,20 @@ def tensor_sizes(rec: MemoryRecord) -> tuple[int, ...]:
     return tuple(p for p in rec.pieces if p > 0) if rec.pieces else (rec.delta_bytes,)
 
 
+def serve_record(allocator: CachingAllocator, rec: MemoryRecord, served: dict[str, int]) -> None:
+    """One memory record through ``allocator``: an allocation as its tensors (``tensor_sizes``),
+    in order, each its own request; a free as the release of all the tensors its label was served
+    as (``served``: label -> that count, kept by the caller across records)."""
+    if rec.delta_bytes > 0:
+        sizes = tensor_sizes(rec)
+        served[rec.label] = len(sizes)
+        for k, nbytes in enumerate(sizes):
+            allocator.malloc(f"{rec.label}#{k}", nbytes, rec.stream)
+    else:
+        for k in range(served.pop(rec.label)):
+            allocator.free(f"{rec.label}#{k}")
+
+
 def expandable_steps(records: list[MemoryRecord]) -> list[int]:
     """Reserved bytes after each record with ``expandable_segments``: each pool's live bytes rounded
     up to its pages, never given back."""
@@ -238,16 +252,9 @@ def reserved_curve(
         )
     allocator = CachingAllocator(capacity_bytes)
     reserved = []
-    served: dict[str, int] = {}  # label -> the number of tensors it was served as
+    served: dict[str, int] = {}
     for rec in records:
-        if rec.delta_bytes > 0:
-            sizes = tensor_sizes(rec)
-            served[rec.label] = len(sizes)
-            for k, nbytes in enumerate(sizes):
-                allocator.malloc(f"{rec.label}#{k}", nbytes, rec.stream)
-        else:
-            for k in range(served.pop(rec.label)):
-                allocator.free(f"{rec.label}#{k}")
+        serve_record(allocator, rec, served)
         reserved.append(allocator.reserved)
     return ReservedCurve(times_s=times, reserved_bytes=tuple(reserved), active_bytes=active)
 
