@@ -2,12 +2,11 @@
 session fixture at most once, for the files it runs."""
 
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from simtest import run_calibrate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "scenarios" / "tiny.toml"
@@ -28,8 +27,8 @@ def _model_descriptions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
         yield shared
 
 
-def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _calibrate(*args: str) -> None:
+    proc = run_calibrate(*args)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -38,9 +37,9 @@ def cpu_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This machine's collectives on 2 gloo ranks, measured quickly (small sizes are all the tiny
     model needs). No compute section: ``fsdpsim validate`` then calibrates the scenario's own."""
     path = tmp_path_factory.mktemp("profile") / "cpu.json"
-    _run(
-        [sys.executable, "-m", "calibrate", "comm", "--nproc", "2", "--out", str(path), "--max-bytes", "1M"]
-        + ["--dtypes", "fp32,bf16", "--iters", "3", "--max-iters", "5"]
+    _calibrate(
+        *("comm", "--nproc", "2", "--out", str(path), "--max-bytes", "1M"),
+        *("--dtypes", "fp32,bf16", "--iters", "3", "--max-iters", "5"),
     )
     return path
 
@@ -53,9 +52,9 @@ def _with_tiny_compute(base: Path, folder: Path, param_dtype: str) -> Path:
     HSDP and checkpointing runs of one dtype share it, as ``validate --profile`` lets them."""
     path = folder / f"cpu-tiny-{param_dtype}.json"
     shutil.copyfile(base, path)
-    _run(
-        [sys.executable, "-m", "calibrate", "compute", str(TINY), "--profile", str(path), "--nproc", "2"]
-        + ["--set", "parallel.world_size=2", "--set", f"precision.param_dtype={param_dtype}"]
+    _calibrate(
+        *("compute", str(TINY), "--profile", str(path), "--nproc", "2"),
+        *("--set", "parallel.world_size=2", "--set", f"precision.param_dtype={param_dtype}"),
     )
     return path
 
