@@ -124,17 +124,26 @@ def run_module(
             "stdout": str(out),
             "stderr": str(err),
         }
-        server = _take()
         try:
-            code = server.run(request, timeout_s)
-        except ChildTimeout:
-            with _lock:
-                _idle.append(server)  # it has reaped the killed child and serves on
-            raise ChildTimeout(f"python -m {module} ran past {timeout_s:.0f} s") from None
-        except OSError:  # the server died (killed from outside): one fresh try, then the error stands
-            server = _Server()
-            code = server.run(request, timeout_s)
-        with _lock:
-            _idle.append(server)
+            code = _served(_take(), request, module, timeout_s)
+        except OSError:  # the server died (killed from outside): one fresh try
+            try:
+                code = _served(_Server(), request, module, timeout_s)
+            except OSError as e:  # a failed child, which callers report in one line
+                return ChildResult(returncode=1, stdout="", stderr=f"python -m {SERVER_MODULE} ended: {e}\n")
         read = lambda path: path.read_text(errors="replace") if path.exists() else ""  # noqa: E731
         return ChildResult(returncode=code, stdout=read(out), stderr=read(err))
+
+
+def _served(server: _Server, request: dict[str, object], module: str, timeout_s: float) -> int:
+    """The request's exit code; the server back among the idle ones once it has answered (after a
+    timeout too: it has reaped the killed child and serves on)."""
+    try:
+        code = server.run(request, timeout_s)
+    except ChildTimeout:
+        with _lock:
+            _idle.append(server)
+        raise ChildTimeout(f"python -m {module} ran past {timeout_s:.0f} s") from None
+    with _lock:
+        _idle.append(server)
+    return code

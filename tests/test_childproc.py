@@ -21,6 +21,9 @@ print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "var": os.environ.ge
                   "state": state, "main": __name__, "server": os.getppid()}))
 print("to stderr", file=sys.stderr)
 code = int(os.environ.get("PROBE_EXIT", "0"))
+if os.environ.get("PROBE_KILL_SERVER"):
+    import signal
+    os.kill(os.getppid(), signal.SIGKILL)  # the server, mid-request
 if os.environ.get("PROBE_SLEEP"):
     import time
     time.sleep(float(os.environ["PROBE_SLEEP"]))
@@ -91,3 +94,20 @@ def test_callers_in_threads_each_get_a_server_and_run_at_once(probe: Path, tmp_p
     assert [r.returncode for r in results] == [0, 0]
     servers = {json.loads(r.stdout)["server"] for r in results}
     assert len(servers) == 2 and os.getpid() not in servers
+
+
+def test_a_server_killed_from_outside_is_replaced(probe: Path, tmp_path: Path) -> None:
+    _run(probe, tmp_path)
+    for server in list(childproc._idle):
+        server.proc.kill()
+        server.proc.wait()
+    assert _run(probe, tmp_path).returncode == 0
+
+
+def test_a_server_that_dies_mid_request_twice_is_a_failed_child_not_an_exception(
+    probe: Path, tmp_path: Path
+) -> None:
+    result = _run(probe, tmp_path, PROBE_KILL_SERVER="1")  # kills the first server, then its replacement
+    assert result.returncode == 1
+    assert result.stderr.startswith("python -m hfmodel.forkserver ended:") and result.stderr.count("\n") == 1
+    assert _run(probe, tmp_path).returncode == 0  # a fresh server serves the next one
