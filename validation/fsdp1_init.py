@@ -5,7 +5,7 @@ reserves (``make validate-published`` quotes both, beside the published reserved
 from collections.abc import Sequence
 
 from sim.core.events import MemoryCategory, MemoryRecord
-from sim.outputs.allocator import CachingAllocator, allocator_order, serve_record
+from sim.outputs.allocator import CachingAllocator, allocator_order, serve_record, steady_state_replay
 from sim.schedule.model_state import stored_bytes, unit_stored_bytes
 from sim.simulate import SimResult
 from sim.workload.units import WrapUnit
@@ -35,7 +35,7 @@ def fsdp1_init_order(units: Sequence[WrapUnit]) -> list[WrapUnit]:
 def simulated_reserved_bytes(result: SimResult, *, fsdp1_init: bool) -> tuple[int, int]:
     """(reserved after the initialisation, peak reserved of the step) of rank 0's simulated
     allocations through ``CachingAllocator``, as ``sim.outputs.allocator.reserved_curve`` replays
-    them (the cuBLAS workspace first). With ``fsdp1_init`` the allocator first goes through FSDP1's
+    them (the cuBLAS workspace first; the step in its steady state). With ``fsdp1_init`` the allocator first goes through FSDP1's
     initialisation as ``FullyShardedDataParallel(module, device_id=...)`` does it to a model on the
     CPU: per unit (``fsdp1_init_order``) each parameter moved to the GPU, the ``FlatParameter``
     made (``torch.cat``) and the parameters freed, the shard cloned out of it (the step's
@@ -46,12 +46,10 @@ def simulated_reserved_bytes(result: SimResult, *, fsdp1_init: bool) -> tuple[in
     records = allocator_order(list(result.events.memory_of(0)))
     allocator = CachingAllocator(device.memory_bytes - device.context_bytes)
     served: dict[str, int] = {}
-    placed: set[str] = set()
     if fsdp1_init:
         shards = {r.label: r for r in records if r.delta_bytes > 0 and r.label.startswith("param:")}
         for rec in _fsdp1_init_records(result, shards):
             serve_record(allocator, rec, served)
-        placed = set(shards)
         allocator.release_free_segments()
         allocator.peak_reserved = allocator.reserved
     after_init = allocator.reserved
@@ -64,10 +62,8 @@ def simulated_reserved_bytes(result: SimResult, *, fsdp1_init: bool) -> tuple[in
             label="cublas_workspace",
         )
         serve_record(allocator, workspace, served)
-    for rec in records:
-        if rec.label not in placed or rec.delta_bytes <= 0:
-            serve_record(allocator, rec, served)
-    return after_init, allocator.peak_reserved
+    reserved = steady_state_replay(allocator, records, served)  # a placed shard stays where it is
+    return after_init, max(reserved)
 
 
 def _fsdp1_init_records(result: SimResult, shards: dict[str, MemoryRecord]) -> list[MemoryRecord]:

@@ -281,6 +281,8 @@ class Engine:
                     label=label,
                     stream=stream,
                     pieces=alloc.pieces,
+                    resident=op_id == -1,
+                    carried=alloc.carried,
                 )
             )
 

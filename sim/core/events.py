@@ -100,6 +100,10 @@ class MemoryRecord:
     label: str
     stream: Stream = Stream.COMPUTE
     pieces: tuple[int, ...] = ()  # an allocation's tensors (``sim.core.program.Alloc.pieces``)
+    # an allocation live before the step starts (``Program.initial``); ``carried``: one standing
+    # for what the previous step left live (``sim.core.program.Alloc.carried``)
+    resident: bool = False
+    carried: bool = False
     # when the caching allocator sees it, in the host's order (``sim.core.host_clock``); None where
     # the host is the device and its time is ``time_s``
     host_s: float | None = None

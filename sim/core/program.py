@@ -26,6 +26,10 @@ class Alloc:
     # back only once the recording stream has passed the free (``insert_events``), however early
     # the host drops it; without it a block is reusable, in stream order, once the host drops it
     record_stream: bool = False
+    # an initial buffer that stands for what the previous step left live (``training.keep_outputs``'
+    # held output): the caching allocator's steady-state replay (``sim.outputs.allocator``) puts in
+    # its place the buffers the step before left, wherever that step's requests put them
+    carried: bool = False
 
     def __post_init__(self) -> None:
         if self.pieces and sum(self.pieces) != self.bytes:

@@ -358,6 +358,8 @@ def _memory_records(ledger: _Ledger, solved: _Pass, rank: int, clock: HostClock 
             stream=Stream.COMPUTE,
             pieces=a.pieces,
             host_s=None if clock is None else 0.0,
+            resident=True,
+            carried=a.carried,
         )
         for a in ledger.initial
     ]

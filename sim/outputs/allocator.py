@@ -12,6 +12,8 @@ The replay follows the allocator's rules:
   20 MiB for a request under 10 MiB, else the request rounded up to 2 MiB;
 - reserving past the device's memory first releases every fully free cached segment
   (``release_cached_blocks``), as the allocator does before raising out-of-memory.
+The step measured is a steady state's (``steady_state_replay``): the second of two, which starts
+with the first one's segments and with the buffers it left (a kept output) where it put them.
 A buffer the schedule knows as several tensors (``MemoryRecord.pieces``: a segment's saved
 activations, an op's temporaries) is served tensor by tensor, in order, and freed together.
 With ``expandable_segments`` a pool grows in pages (2 MiB small, 20 MiB large) and gives back
@@ -154,18 +156,69 @@ def tensor_sizes(rec: MemoryRecord) -> tuple[int, ...]:
     return tuple(p for p in rec.pieces if p > 0) if rec.pieces else (rec.delta_bytes,)
 
 
-def serve_record(allocator: CachingAllocator, rec: MemoryRecord, served: dict[str, int]) -> None:
+def serve_record(
+    allocator: CachingAllocator, rec: MemoryRecord, served: dict[str, int], *, label: str | None = None
+) -> None:
     """One memory record through ``allocator``: an allocation as its tensors (``tensor_sizes``),
     in order, each its own request; a free as the release of all the tensors its label was served
-    as (``served``: label -> that count, kept by the caller across records)."""
+    as (``served``: label -> that count, kept by the caller across records). ``label``: the name
+    it is served under, where not its own."""
+    name = rec.label if label is None else label
     if rec.delta_bytes > 0:
         sizes = tensor_sizes(rec)
-        served[rec.label] = len(sizes)
+        served[name] = len(sizes)
         for k, nbytes in enumerate(sizes):
-            allocator.malloc(f"{rec.label}#{k}", nbytes, rec.stream)
+            allocator.malloc(f"{name}#{k}", nbytes, rec.stream)
     else:
-        for k in range(served.pop(rec.label)):
-            allocator.free(f"{rec.label}#{k}")
+        for k in range(served.pop(name)):
+            allocator.free(f"{name}#{k}")
+
+
+# what the measured step's own buffers are served as, apart from the step before's
+_NEXT_STEP = "@next"
+
+
+def steady_state_replay(
+    allocator: CachingAllocator, records: list[MemoryRecord], served: dict[str, int]
+) -> list[int]:
+    """The allocator's reserved bytes when the step it measures starts and after each of that
+    step's ``records`` (in the allocator's order): the second of two.
+
+    ``torch.cuda.max_memory_reserved()`` over a run is its steady state's: every step after the
+    first starts with the segments the step before reserved and its buffers where that step's
+    requests put them (a kept output's tensors scattered through the holes of that step, not one
+    block). So the step is replayed twice. The first is a first step: its carried buffers
+    (``MemoryRecord.carried``, what a previous step would have left) do not exist. In the second,
+    a resident buffer still live is not allocated again, the carried buffers are what the first
+    step left live beyond the residents (released where the carried ones are freed; at the start
+    if nothing stands for them), and the step's own buffers are served apart from the first's.
+    ``served`` may hold buffers placed before (they stay)."""
+    before = set(served)
+    resident = {rec.label for rec in records if rec.resident}
+    carried = {rec.label for rec in records if rec.carried}  # their frees name them by label
+    for rec in records:
+        if rec.label in carried or (rec.resident and rec.delta_bytes > 0 and rec.label in served):
+            continue
+        serve_record(allocator, rec, served)
+    left = [label for label in served if label not in before and label not in resident]
+    if not any(rec.label in carried and rec.delta_bytes < 0 for rec in records):
+        for label in left:  # nothing stands for them: the step would otherwise grow without end
+            serve_record(allocator, _FREE, served, label=label)
+    reserved = [allocator.reserved]
+    for rec in records:
+        if rec.label in carried:
+            if rec.delta_bytes < 0:
+                for label in left:
+                    serve_record(allocator, _FREE, served, label=label)
+        elif not (rec.resident and rec.delta_bytes > 0 and rec.label in served):
+            own = rec.label in resident
+            serve_record(allocator, rec, served, label=None if own else rec.label + _NEXT_STEP)
+        reserved.append(allocator.reserved)
+    return reserved
+
+
+# a free, served under the label it is given
+_FREE = MemoryRecord(rank=0, time_s=0.0, category=MemoryCategory.OTHER, delta_bytes=-1, label="")
 
 
 def expandable_steps(records: list[MemoryRecord]) -> list[int]:
@@ -233,7 +286,8 @@ def reserved_curve(
 ) -> ReservedCurve:
     """The caching allocator replayed over ``rank``'s allocations in the order it sees them, the
     cuBLAS workspace first (it is allocated through the allocator, once per stream that runs
-    matmuls: the compute stream)."""
+    matmuls: the compute stream), in the steady state (``steady_state_replay``: the step after a
+    first one)."""
     records = allocator_order(list(table.memory_of(rank)))
     if workspace_bytes:
         workspace = MemoryRecord(
@@ -251,11 +305,13 @@ def reserved_curve(
             times_s=times, reserved_bytes=tuple(expandable_steps(records)), active_bytes=active
         )
     allocator = CachingAllocator(capacity_bytes)
-    reserved = []
     served: dict[str, int] = {}
-    for rec in records:
-        serve_record(allocator, rec, served)
-        reserved.append(allocator.reserved)
+    if workspace_bytes:
+        serve_record(allocator, records[0], served)
+        records = records[1:]
+    reserved = steady_state_replay(allocator, records, served)
+    if not workspace_bytes:  # the workspace's point is the measured step's start
+        reserved = reserved[1:]
     return ReservedCurve(times_s=times, reserved_bytes=tuple(reserved), active_bytes=active)
 
 

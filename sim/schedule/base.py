@@ -94,7 +94,9 @@ class ScheduleBuilder:
         if self._cache_appends():
             cache += sum(b for block, b in enumerate(cfg.kv_cache_bytes) if cfg.checkpoint.covers(block))
         nbytes = cfg.kept_output_bytes + cache
-        return [Alloc(label="previous_output", category=MemoryCategory.ACTIVATIONS, bytes=nbytes)]
+        return [
+            Alloc(label="previous_output", category=MemoryCategory.ACTIVATIONS, bytes=nbytes, carried=True)
+        ]
 
     def label(self, what: str, unit: str, mb: int) -> str:
         """A buffer label unique within the program."""
