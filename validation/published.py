@@ -437,10 +437,19 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "allocated each as one block of up to 5.4 GiB, and its memory records name the stream that allocates "
         "(the SimPy engine's all said compute, pooling the all-gather's buffers with the compute stream's): "
         "the first row's predicted reserved went from 21.25 GiB to 18.32, near the real sequence's 17.34. "
-        "The second row stays far below the real sequence's 25.34: there the real backward's 2 GiB fp32 "
-        "softmax gradients find their 2 GiB holes split by 64 MiB tensors and take three new segments; the "
-        "simulator holds an op's backward transient as the tensors alive at its peak (the eager kernel's as "
-        "one block), not the op's own sequence of allocations and frees (not modelled).",
+        "The simulated step is a steady state's (the second of two, `sim.outputs.allocator.steady_state_replay`): "
+        "it starts with the first step's segments and with the output that step kept where its requests put "
+        "it (in the second row 4.98 GiB of logits and K/V tensors, which the replay had held as one block "
+        "that the step then freed whole): the second row's predicted reserved went from 21.17 to 22.00 GiB "
+        "and the third's from 26.87 to 27.69; the first and last rows keep no output and did not move. "
+        "The second row stays below the real sequence's 25.34: that sequence reserves nine 2 GiB segments "
+        "where the simulated one reserves six (in the first row both five; counted 2026-12-04). Both take "
+        "them for the scores' fp32 copy and softmax, every few blocks of the forward and at the first "
+        "recompute, once the 64 MiB tensors the forward keeps (each block's input, K and V) have split the "
+        "holes the scores left. The real forward allocates those between its ops' transients (K and V "
+        "before the scores), the simulator at a segment's start or end, and it serves a segment's transient "
+        "as the tensors alive at its peak, all at once, not its ops' own sequence of allocations and frees "
+        "(not modelled).",
         "",
         "Not predicted:",
         *[f"- {line}" for line in NOT_PREDICTED],
