@@ -237,7 +237,7 @@ def test_the_steady_state_finds_the_kept_output_where_the_step_before_left_it() 
 def test_the_steady_state_step_allocates_each_resident_once_and_its_own_buffers_anew() -> None:
     """The measured step starts from the first one's segments: a step that frees everything it
     makes reserves in the second exactly what it reserved in the first, residents not doubled."""
-    from sim.outputs.allocator import CachingAllocator, steady_state_replay
+    from sim.outputs.allocator import CachingAllocator, Served, steady_state_replay
 
     step = _step(
         (100 * MIB, "param"),
@@ -248,8 +248,101 @@ def test_the_steady_state_step_allocates_each_resident_once_and_its_own_buffers_
         resident=("param",),
     )
     allocator = CachingAllocator(BIG)
-    served: dict[str, int] = {}
+    served: Served = {}
     reserved = steady_state_replay(allocator, list(step.memory_of(0)), served)
     assert reserved == [180 * MIB] * 6  # the first step's three segments, reused: the start and 5 records
-    assert set(served) == {"param"}
-    assert len(allocator.live) == 1
+    assert set(served) == {"param"} and len(served["param"]) == 1
+
+    def used(block):  # type: ignore[no-untyped-def]
+        while block is not None:
+            yield from () if block.free else (block.size,)
+            block = block.next
+
+    assert [size for head in allocator.segments.values() for size in used(head)] == [100 * MIB]
+
+
+class _ReferenceAllocator:
+    """The allocator's rules transcribed as plainly as possible (every free block scanned for the
+    best fit, each segment a list of [offset, size, free] by address), to check the replay's
+    linked blocks and sorted pools against."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.reserved = capacity, 0
+        self.segments: dict[int, tuple[tuple[Stream, bool], list[list[int]]]] = {}
+        self.where: dict[str, tuple[int, list[int]]] = {}
+        self.next_id = 0
+
+    def malloc(self, label: str, nbytes: int, stream: Stream) -> None:
+        size = round_size(nbytes)
+        small = size <= 1 * MIB
+        fits = [
+            (b[1], seg, b[0], b)
+            for seg, (key, blocks) in self.segments.items()
+            if key == (stream, small)
+            for b in blocks
+            if b[2] and b[1] >= size
+        ]
+        if fits:
+            _, seg, _, block = min(fits, key=lambda f: f[:3])
+        else:
+            want = allocation_size(size)
+            if self.reserved + want > self.capacity:
+                for s, (_, blocks) in list(self.segments.items()):
+                    if len(blocks) == 1 and blocks[0][2]:
+                        self.reserved -= blocks[0][1]
+                        del self.segments[s]
+            seg, self.next_id = self.next_id, self.next_id + 1
+            block = [0, want, 1]
+            self.segments[seg] = ((stream, small), [block])
+            self.reserved += want
+        blocks = self.segments[seg][1]
+        rest = block[1] - size
+        if rest >= (512 if small else MIB + 1):
+            blocks.insert(blocks.index(block) + 1, [block[0] + size, rest, 1])
+            block[1] = size
+        block[2] = 0
+        self.where[label] = (seg, block)
+
+    def free(self, label: str) -> None:
+        seg, block = self.where.pop(label)
+        blocks = self.segments[seg][1]
+        block[2] = 1
+        i = blocks.index(block)
+        if i + 1 < len(blocks) and blocks[i + 1][2]:
+            block[1] += blocks.pop(i + 1)[1]
+        if i > 0 and blocks[i - 1][2]:
+            blocks[i - 1][1] += blocks.pop(i)[1]
+
+
+SIZES = st.one_of(
+    st.integers(1, 1 * MIB), st.integers(1 * MIB + 1, 12 * MIB), st.integers(12 * MIB, 90 * MIB)
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(SIZES, st.booleans(), st.integers(0, 3), st.sampled_from([C, Stream.ALL_GATHER])),
+        max_size=60,
+    )
+)
+def test_the_replay_serves_every_request_where_the_plain_rules_do(
+    requests: list[tuple[int, bool, int, Stream]],
+) -> None:
+    """Against ``_ReferenceAllocator``, request by request: the same block (segment and offset)
+    for every allocation and the same reserved bytes, segments given back under a 200 MiB device
+    included."""
+    fast, plain = CachingAllocator(200 * MIB), _ReferenceAllocator(200 * MIB)
+    live: list[str] = []
+    for i, (size, free_some, which, stream) in enumerate(requests):
+        label = f"b{i}"
+        fast.malloc(label, size, stream)
+        plain.malloc(label, size, stream)
+        live.append(label)
+        seg, block = plain.where[label]
+        assert (fast.live[label].segment, fast.live[label].offset) == (seg, block[0])
+        if free_some and live:
+            gone = live.pop(which % len(live))
+            fast.free(gone)
+            plain.free(gone)
+        assert fast.reserved == plain.reserved

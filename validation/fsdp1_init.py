@@ -5,7 +5,7 @@ reserves (``make validate-published`` quotes both, beside the published reserved
 from collections.abc import Sequence
 
 from sim.core.events import MemoryCategory, MemoryRecord
-from sim.outputs.allocator import CachingAllocator, allocator_order, serve_record, steady_state_replay
+from sim.outputs.allocator import CachingAllocator, Served, allocator_order, serve_record, steady_state_replay
 from sim.schedule.model_state import stored_bytes, unit_stored_bytes
 from sim.simulate import SimResult
 from sim.workload.units import WrapUnit
@@ -45,7 +45,7 @@ def simulated_reserved_bytes(result: SimResult, *, fsdp1_init: bool) -> tuple[in
     device = result.profile.device
     records = allocator_order(list(result.events.memory_of(0)))
     allocator = CachingAllocator(device.memory_bytes - device.context_bytes)
-    served: dict[str, int] = {}
+    served: Served = {}
     if fsdp1_init:
         shards = {r.label: r for r in records if r.delta_bytes > 0 and r.label.startswith("param:")}
         for rec in _fsdp1_init_records(result, shards):

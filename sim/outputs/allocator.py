@@ -57,23 +57,41 @@ def allocation_size(nbytes: int) -> int:
     return ROUND_LARGE * math.ceil(nbytes / ROUND_LARGE)
 
 
-@dataclass
-class _Block:
+@dataclass(eq=False, slots=True)
+class Block:
+    """A block of a segment, linked to its neighbours by address (as the allocator's ``Block``)."""
+
     segment: int
     offset: int
     size: int
     free: bool = True
+    prev: "Block | None" = None
+    next: "Block | None" = None
 
 
 @dataclass
 class _Pool:
-    """One (stream, small|large) pool: free blocks sorted by size for best fit."""
+    """One (stream, small|large) pool: free blocks sorted by size for best fit (ties by address:
+    segment, then offset), and each free block by its place."""
 
     free: list[tuple[int, int, int]] = field(default_factory=list)  # (size, segment, offset)
+    blocks: dict[tuple[int, int], Block] = field(default_factory=dict)  # (segment, offset) -> block
 
-    def take(self, nbytes: int) -> tuple[int, int, int] | None:
+    def take(self, nbytes: int) -> Block | None:
         i = bisect.bisect_left(self.free, (nbytes, -1, -1))
-        return self.free.pop(i) if i < len(self.free) else None
+        if i == len(self.free):
+            return None
+        _, seg, offset = self.free.pop(i)
+        return self.blocks.pop((seg, offset))
+
+    def put(self, block: Block) -> None:
+        bisect.insort(self.free, (block.size, block.segment, block.offset))
+        self.blocks[(block.segment, block.offset)] = block
+
+    def remove(self, block: Block) -> None:
+        key = (block.size, block.segment, block.offset)
+        del self.free[bisect.bisect_left(self.free, key)]
+        del self.blocks[(block.segment, block.offset)]
 
 
 class CachingAllocator:
@@ -82,69 +100,86 @@ class CachingAllocator:
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
         self.pools: dict[tuple[Stream, bool], _Pool] = {}
-        self.segments: dict[int, list[_Block]] = {}  # segment id -> its blocks by offset
+        self.segments: dict[int, Block] = {}  # segment id -> its first block
         self.segment_pool: dict[int, tuple[Stream, bool]] = {}
-        self.live: dict[str, _Block] = {}
+        self.live: dict[str, Block] = {}
         self.reserved = 0
         self.peak_reserved = 0
         self._next_segment = 0
 
     def _pool(self, key: tuple[Stream, bool]) -> _Pool:
-        return self.pools.setdefault(key, _Pool())
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = _Pool()
+        return pool
 
     def malloc(self, label: str, nbytes: int, stream: Stream) -> None:
+        self.live[label] = self.take(nbytes, stream)
+
+    def take(self, nbytes: int, stream: Stream) -> Block:
+        """The block one request of ``nbytes`` on ``stream`` is served (``free`` or ``give_back`` it)."""
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
         key = (stream, small)
-        found = self._pool(key).take(size)
-        if found is None:
-            found = self._new_segment(key, allocation_size(size))
-        _, seg, offset = found
-        block = next(b for b in self.segments[seg] if b.offset == offset)
+        pool = self._pool(key)
+        block = pool.take(size)
+        if block is None:
+            block = self._new_segment(key, allocation_size(size))
         rest = block.size - size
         if rest >= (MIN_BLOCK if small else SMALL_SIZE + 1):
-            tail = _Block(segment=seg, offset=offset + size, size=rest)
-            blocks = self.segments[seg]
-            blocks.insert(blocks.index(block) + 1, tail)
-            bisect.insort(self._pool(key).free, (tail.size, seg, tail.offset))
+            tail = Block(
+                segment=block.segment, offset=block.offset + size, size=rest, prev=block, next=block.next
+            )
+            if block.next is not None:
+                block.next.prev = tail
+            block.next = tail
             block.size = size
+            pool.put(tail)
         block.free = False
-        self.live[label] = block
+        return block
 
-    def _new_segment(self, key: tuple[Stream, bool], size: int) -> tuple[int, int, int]:
+    def _new_segment(self, key: tuple[Stream, bool], size: int) -> Block:
         if self.reserved + size > self.capacity:
             self.release_free_segments()
         seg = self._next_segment
         self._next_segment += 1
-        self.segments[seg] = [_Block(segment=seg, offset=0, size=size)]
+        block = self.segments[seg] = Block(segment=seg, offset=0, size=size)
         self.segment_pool[seg] = key
         self.reserved += size
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        return size, seg, 0
+        return block
 
     def release_free_segments(self) -> None:
         """Give back every fully free cached segment (``release_cached_blocks``, ``empty_cache()``)."""
-        for seg, blocks in list(self.segments.items()):
-            if len(blocks) == 1 and blocks[0].free:
-                pool = self._pool(self.segment_pool.pop(seg))
-                pool.free.remove((blocks[0].size, seg, 0))
-                self.reserved -= blocks[0].size
+        for seg, head in list(self.segments.items()):
+            if head.free and head.next is None:
+                self._pool(self.segment_pool.pop(seg)).remove(head)
+                self.reserved -= head.size
                 del self.segments[seg]
 
     def free(self, label: str) -> None:
-        block = self.live.pop(label)
+        self.give_back(self.live.pop(label))
+
+    def give_back(self, block: Block) -> None:
+        """A block ``take`` served, freed: merged with its free neighbours, back in its pool."""
         pool = self._pool(self.segment_pool[block.segment])
-        blocks = self.segments[block.segment]
-        i = blocks.index(block)
         block.free = True
-        for j in (i + 1, i - 1):  # merge with free neighbours (right first, so i stays valid)
-            if 0 <= j < len(blocks) and blocks[j].free and blocks[j] is not block:
-                other = blocks[j]
-                pool.free.remove((other.size, other.segment, other.offset))
-                block.offset = min(block.offset, other.offset)
-                block.size += other.size
-                blocks.remove(other)
-        bisect.insort(pool.free, (block.size, block.segment, block.offset))
+        after = block.next
+        if after is not None and after.free:  # merge with the free neighbour after it
+            pool.remove(after)
+            block.size += after.size
+            block.next = after.next
+            if after.next is not None:
+                after.next.prev = block
+        before = block.prev
+        if before is not None and before.free:  # and into the free neighbour before it
+            pool.remove(before)
+            before.size += block.size
+            before.next = block.next
+            if block.next is not None:
+                block.next.prev = before
+            block = before
+        pool.put(block)
 
 
 def _page(small: bool) -> int:
@@ -156,22 +191,23 @@ def tensor_sizes(rec: MemoryRecord) -> tuple[int, ...]:
     return tuple(p for p in rec.pieces if p > 0) if rec.pieces else (rec.delta_bytes,)
 
 
+# the blocks each label's tensors were served as (``serve_record``)
+Served = dict[str, list[Block]]
+
+
 def serve_record(
-    allocator: CachingAllocator, rec: MemoryRecord, served: dict[str, int], *, label: str | None = None
+    allocator: CachingAllocator, rec: MemoryRecord, served: Served, *, label: str | None = None
 ) -> None:
     """One memory record through ``allocator``: an allocation as its tensors (``tensor_sizes``),
     in order, each its own request; a free as the release of all the tensors its label was served
-    as (``served``: label -> that count, kept by the caller across records). ``label``: the name
+    as (``served``: label -> their blocks, kept by the caller across records). ``label``: the name
     it is served under, where not its own."""
     name = rec.label if label is None else label
     if rec.delta_bytes > 0:
-        sizes = tensor_sizes(rec)
-        served[name] = len(sizes)
-        for k, nbytes in enumerate(sizes):
-            allocator.malloc(f"{name}#{k}", nbytes, rec.stream)
+        served[name] = [allocator.take(nbytes, rec.stream) for nbytes in tensor_sizes(rec)]
     else:
-        for k in range(served.pop(name)):
-            allocator.free(f"{name}#{k}")
+        for block in served.pop(name):
+            allocator.give_back(block)
 
 
 # what the measured step's own buffers are served as, apart from the step before's
@@ -179,7 +215,7 @@ _NEXT_STEP = "@next"
 
 
 def steady_state_replay(
-    allocator: CachingAllocator, records: list[MemoryRecord], served: dict[str, int]
+    allocator: CachingAllocator, records: list[MemoryRecord], served: Served
 ) -> list[int]:
     """The allocator's reserved bytes when the step it measures starts and after each of that
     step's ``records`` (in the allocator's order): the second of two.
@@ -305,7 +341,7 @@ def reserved_curve(
             times_s=times, reserved_bytes=tuple(expandable_steps(records)), active_bytes=active
         )
     allocator = CachingAllocator(capacity_bytes)
-    served: dict[str, int] = {}
+    served: Served = {}
     if workspace_bytes:
         serve_record(allocator, records[0], served)
         records = records[1:]
