@@ -210,51 +210,52 @@ def serve_record(
             allocator.give_back(block)
 
 
-# what the measured step's own buffers are served as, apart from the step before's
-_NEXT_STEP = "@next"
-
-
 def steady_state_replay(
-    allocator: CachingAllocator, records: list[MemoryRecord], served: Served
+    allocator: CachingAllocator, records: list[MemoryRecord], served: Served, *, warm_up_steps: int = 1
 ) -> list[int]:
     """The allocator's reserved bytes when the step it measures starts and after each of that
-    step's ``records`` (in the allocator's order): the second of two.
+    step's ``records`` (in the allocator's order): the step after ``warm_up_steps`` others.
 
     ``torch.cuda.max_memory_reserved()`` over a run is its steady state's: every step after the
     first starts with the segments the step before reserved and its buffers where that step's
     requests put them (a kept output's tensors scattered through the holes of that step, not one
-    block). So the step is replayed twice. The first is a first step: its carried buffers
-    (``MemoryRecord.carried``, what a previous step would have left) do not exist. In the second,
-    a resident buffer still live is not allocated again, the carried buffers are what the first
-    step left live beyond the residents (released where the carried ones are freed; at the start
-    if nothing stands for them), and the step's own buffers are served apart from the first's.
-    ``served`` may hold buffers placed before (they stay)."""
+    block). So the step is replayed more than once. The first is a first step: its carried
+    buffers (``MemoryRecord.carried``, what a previous step would have left) do not exist. In each
+    later one, a resident buffer still live is not allocated again, the carried buffers are what
+    the step before left live beyond the residents (released where the carried ones are freed;
+    at its start if nothing stands for them), and the step's own buffers are served apart from
+    the earlier steps'. One warm-up step is the default: a second changes no peak of the
+    published memory rows (``tests/test_allocator.py``) nor of any library scenario whose reserved
+    fits its device (measured 2026-12-04; past the device, the segments given back at its limit
+    move it). ``served`` may hold buffers placed before (they stay)."""
     before = set(served)
     resident = {rec.label for rec in records if rec.resident}
     carried = {rec.label for rec in records if rec.carried}  # their frees name them by label
-    for rec in records:
-        if rec.label in carried or (rec.resident and rec.delta_bytes > 0 and rec.label in served):
-            continue
-        serve_record(allocator, rec, served)
-    left = [label for label in served if label not in before and label not in resident]
-    if not any(rec.label in carried and rec.delta_bytes < 0 for rec in records):
-        for label in left:  # nothing stands for them: the step would otherwise grow without end
-            serve_record(allocator, _FREE, served, label=label)
-    reserved = [allocator.reserved]
-    for rec in records:
-        if rec.label in carried:
-            if rec.delta_bytes < 0:
-                for label in left:
-                    serve_record(allocator, _FREE, served, label=label)
-        elif not (rec.resident and rec.delta_bytes > 0 and rec.label in served):
-            own = rec.label in resident
-            serve_record(allocator, rec, served, label=None if own else rec.label + _NEXT_STEP)
-        reserved.append(allocator.reserved)
+    stands_for_left = any(rec.label in carried and rec.delta_bytes < 0 for rec in records)
+
+    def release(labels: list[str]) -> None:
+        for label in labels:
+            for block in served.pop(label):
+                allocator.give_back(block)
+
+    left: list[str] = []
+    for step in range(warm_up_steps + 1):
+        first = step == 0  # a first step: nothing carried
+        if not first:
+            left = [label for label in served if label not in before and label not in resident]
+            if not stands_for_left:  # nothing stands for them: the step would otherwise grow without end
+                release(left)
+        reserved = [allocator.reserved]
+        for rec in records:
+            if rec.label in carried:
+                if not first and rec.delta_bytes < 0 and stands_for_left:
+                    release(left)
+                    left = []
+            elif not (rec.resident and rec.delta_bytes > 0 and rec.label in served):
+                own = first or rec.label in resident
+                serve_record(allocator, rec, served, label=None if own else f"{rec.label}@{step}")
+            reserved.append(allocator.reserved)
     return reserved
-
-
-# a free, served under the label it is given
-_FREE = MemoryRecord(rank=0, time_s=0.0, category=MemoryCategory.OTHER, delta_bytes=-1, label="")
 
 
 def expandable_steps(records: list[MemoryRecord]) -> list[int]:
