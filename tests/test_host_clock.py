@@ -243,3 +243,36 @@ def test_zero3_holds_what_free_param_and_the_bucket_copy_record(overlap_comm: bo
     else:
         assert all(m.host_s is not None and m.host_s <= m.time_s for m in grads)
         assert any(m.host_s < m.time_s for m in grads)  # the host is ahead of the device
+
+
+def test_a_record_seen_at_the_host_keeps_every_other_field() -> None:
+    """``MemoryRecord.seen_at`` is ``dataclasses.replace(rec, host_s=...)``, field for field."""
+    from dataclasses import fields, replace
+
+    from sim.core.events import MemoryCategory, MemoryRecord, Stream
+
+    rec = MemoryRecord(
+        rank=3,
+        time_s=1.5,
+        category=MemoryCategory.GRADS,
+        delta_bytes=7,
+        label="x",
+        stream=Stream.REDUCE_SCATTER,
+        pieces=(3, 4),
+        host_s=0.25,
+        resident=True,
+        carried=True,
+    )
+    assert {f.name for f in fields(MemoryRecord)} == {
+        "rank",
+        "time_s",
+        "category",
+        "delta_bytes",
+        "label",
+        "stream",
+        "pieces",
+        "host_s",
+        "resident",
+        "carried",
+    }  # a new field must be copied by seen_at too
+    assert rec.seen_at(2.0) == replace(rec, host_s=2.0)

@@ -8,7 +8,7 @@ each collective then starts as soon as rank 0 reaches it, which is exactly when 
 """
 
 from collections.abc import Callable, Generator, Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import simpy
@@ -156,15 +156,14 @@ class Engine:
         for op in self.ops:
             ends[op.rank][op.op_id] = op.end_s
         return [
-            replace(
-                rec,
-                host_s=clock.allocator_s(
+            rec.seen_at(
+                clock.allocator_s(
                     op_id=op_id,
                     label=rec.label,
                     delta_bytes=rec.delta_bytes,
                     device_s=rec.time_s,
                     end_of=ends[rec.rank].__getitem__,
-                ),
+                )
             )
             for rec, op_id in zip(self.memory, self.memory_op, strict=True)
         ]

@@ -108,6 +108,22 @@ class MemoryRecord:
     # the host is the device and its time is ``time_s``
     host_s: float | None = None
 
+    def seen_at(self, host_s: float) -> "MemoryRecord":
+        """This record as the caching allocator sees it at ``host_s`` (``dataclasses.replace``,
+        spelled out: the engine makes one per allocation and free of every simulated step)."""
+        return MemoryRecord(
+            rank=self.rank,
+            time_s=self.time_s,
+            category=self.category,
+            delta_bytes=self.delta_bytes,
+            label=self.label,
+            stream=self.stream,
+            pieces=self.pieces,
+            host_s=host_s,
+            resident=self.resident,
+            carried=self.carried,
+        )
+
     @property
     def allocator_s(self) -> float:
         return self.time_s if self.host_s is None else self.host_s
