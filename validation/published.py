@@ -449,7 +449,14 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "holes the scores left. The real forward allocates those between its ops' transients (K and V "
         "before the scores), the simulator at a segment's start or end, and it serves a segment's transient "
         "as the tensors alive at its peak, all at once, not its ops' own sequence of allocations and frees "
-        "(not modelled).",
+        "(not modelled). The first row's agreement is partly a compensation: the eager kernel's backward "
+        "transient beyond the model's (2.12 GiB a block: the softmax backward's two fp32 gradients less the "
+        "tensors released before them, which are other buffers' and are freed only at the segment's end) is "
+        "served as one request, which no 2 GiB hole takes, so each step reserves one segment for it that the "
+        "real sequence does not; served as a 2 GiB tensor and the rest, the predicted reserved would be 16.20 "
+        "GiB in the first row and 21.88 in the second (measured 2026-12-04). Both are op-level sequences: "
+        "the saved tensors the backward releases before its fp32 gradients are allocated would have to be "
+        "freed there.",
         "",
         "Not predicted:",
         *[f"- {line}" for line in NOT_PREDICTED],
