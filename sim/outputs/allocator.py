@@ -164,22 +164,22 @@ class CachingAllocator:
         """A block ``take`` served, freed: merged with its free neighbours, back in its pool."""
         pool = self._pool(self.segment_pool[block.segment])
         block.free = True
-        after = block.next
-        if after is not None and after.free:  # merge with the free neighbour after it
-            pool.remove(after)
-            block.size += after.size
-            block.next = after.next
-            if after.next is not None:
-                after.next.prev = block
-        before = block.prev
-        if before is not None and before.free:  # and into the free neighbour before it
-            pool.remove(before)
-            before.size += block.size
-            before.next = block.next
-            if block.next is not None:
-                block.next.prev = before
-            block = before
+        if block.next is not None and block.next.free:  # merge with the free neighbour after it
+            pool.remove(block.next)
+            _absorb(block, block.next)
+        if block.prev is not None and block.prev.free:  # and into the free neighbour before it
+            pool.remove(block.prev)
+            block = _absorb(block.prev, block)
         pool.put(block)
+
+
+def _absorb(left: Block, right: Block) -> Block:
+    """``right`` merged into ``left``, its neighbour before it in their segment."""
+    left.size += right.size
+    left.next = right.next
+    if right.next is not None:
+        right.next.prev = left
+    return left
 
 
 def _page(small: bool) -> int:
