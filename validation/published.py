@@ -422,7 +422,7 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "fake run's). The 70B row's replay is 25 % below its published reserved, as its allocated is 17 GiB "
         "below its published active: the blocks held back from reuse are not in any sequence the host logs "
         "(see that row's note). So the allocator model, fed the real sequence, reserves 7-11 % less than the "
-        "GPU did in the LoRA rows; replaying the step twice changes nothing for the first row, so what it "
+        "GPU did in the LoRA rows; replaying the step two or three times changes nothing in either (measured 2026-12-04), so what it "
         "misses is not the step's own reuse; nor is it reuse deferred by `record_stream`: holding every free of the "
         "unshard and post-backward streams' blocks until up to three more unsharded flat parameters have been "
         "allocated (a host one to three units ahead) leaves the first row's replay at 17.34 GiB (measured "
