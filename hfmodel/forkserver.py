@@ -3,7 +3,9 @@ request, each running ``python -m MODULE ARGS`` as a fresh interpreter would (``
 is the client and says why).
 
 Protocol, one JSON object per line: a request on stdin ``{"module", "argv", "env", "cwd",
-"stdout", "stderr"}`` (the last two: files the child's output goes to); the server answers
+"stdout", "stderr", "preload"}`` (``stdout``, ``stderr``: files the child's output goes to;
+``preload``: modules the server imports before forking, once, for this child and every later one:
+the caller names what its children import, so that only the first pays for it); the server answers
 ``{"pid": P}`` when the child has started and ``{"pid": P, "returncode": R}`` when it has ended
 (R negative: killed by that signal, as ``subprocess`` reports it). It serves one request at a
 time and ends when stdin closes.
@@ -17,23 +19,18 @@ import sys
 import traceback
 from typing import Any
 
-# what every measuring child imports (its own modules and the model machinery of transformers,
-# which a model's class pulls in lazily); PEFT is left to the fine-tuned models' children, since
-# importing it (bitsandbytes with it) would add 3-4 s to every process's first description
-PRELOAD = (
-    "torch",
-    "torch.distributed.fsdp",
-    "transformers",
-    "transformers.modeling_utils",
-    "hfmodel.describe",
-    "validation.fake_memory",
-)
+# what every measuring child imports (the model machinery of transformers, which a model's class
+# pulls in lazily); the callers add their own modules (``preload``); PEFT is left to the fine-tuned
+# models' children, since importing it (bitsandbytes with it) would add 3-4 s to every process's
+# first description
+PRELOAD = ("torch", "torch.distributed.fsdp", "transformers", "transformers.modeling_utils")
 
 
-def _preload() -> None:
-    for name in PRELOAD:
-        with contextlib.suppress(ImportError):
-            __import__(name)
+def _preload(names: list[str] | tuple[str, ...]) -> None:
+    for name in names:
+        if name not in sys.modules:
+            with contextlib.suppress(Exception):  # the child imports it again and reports what fails
+                __import__(name)
 
 
 def _run_child(request: dict[str, Any]) -> int:
@@ -74,12 +71,13 @@ def _run_child(request: dict[str, Any]) -> int:
 
 
 def serve() -> None:
-    _preload()
+    _preload(PRELOAD)
     replies = sys.stdout
     for line in sys.stdin:
         if not line.strip():
             continue
         request = json.loads(line)
+        _preload(request.get("preload", ()))
         pid = os.fork()
         if pid == 0:
             code = 1

@@ -109,11 +109,18 @@ def _take() -> _Server:
 
 
 def run_module(
-    module: str, argv: list[str], *, env: dict[str, str], cwd: str | Path, timeout_s: float
+    module: str,
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str | Path,
+    timeout_s: float,
+    preload: tuple[str, ...] = (),
 ) -> ChildResult:
     """``python -m module *argv`` with ``env`` in ``cwd``, forked from a preloaded server; raises
-    ChildTimeout (after killing the child) when it runs past ``timeout_s``. Threads may call it
-    at once: each gets a server of its own."""
+    ChildTimeout (after killing the child) when it runs past ``timeout_s``. ``preload``: modules
+    the child imports that the server should import first, once for all its later children (a
+    module's own heavy imports). Threads may call it at once: each gets a server of its own."""
     with tempfile.TemporaryDirectory(prefix="fsdpsim-child-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         request: dict[str, object] = {
@@ -123,6 +130,7 @@ def run_module(
             "cwd": str(cwd),
             "stdout": str(out),
             "stderr": str(err),
+            "preload": list(preload),
         }
         try:
             code = _served(_take(), request, module, timeout_s)

@@ -111,3 +111,25 @@ def test_a_server_that_dies_mid_request_twice_is_a_failed_child_not_an_exception
     assert result.returncode == 1
     assert result.stderr.startswith("python -m hfmodel.forkserver ended:") and result.stderr.count("\n") == 1
     assert _run(probe, tmp_path).returncode == 0  # a fresh server serves the next one
+
+
+def test_a_module_the_caller_names_is_imported_by_the_server_once_for_every_later_child(
+    probe: Path, tmp_path: Path
+) -> None:
+    """``preload``: the server imports the module before forking, so the child (and every later
+    child of that server) finds it imported; a module nobody named is not."""
+    import json
+
+    (tmp_path / "sawit.py").write_text('import json, sys\nprint(json.dumps("tabnanny" in sys.modules))\n')
+    environ = dict(os.environ, PYTHONPATH=str(tmp_path))
+
+    def seen(preload: tuple[str, ...] = ()) -> bool:
+        result = childproc.run_module("sawit", [], env=environ, cwd=tmp_path, timeout_s=120, preload=preload)
+        assert result.returncode == 0, result.stderr
+        answer: bool = json.loads(result.stdout)
+        return answer
+
+    assert not seen()
+    assert seen(("tabnanny",))
+    assert seen()  # the same server, which keeps it
+    assert seen(("no_such_module_anywhere",))  # a name that does not import is skipped

@@ -428,7 +428,14 @@ def measure_fake_memory_subprocess(
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
     try:  # forked from a server that imported torch and transformers once (sim.childproc)
-        proc = run_module("validation.fake_memory", args, env=env, cwd=root, timeout_s=timeout_s)
+        proc = run_module(
+            "validation.fake_memory",
+            args,
+            env=env,
+            cwd=root,
+            timeout_s=timeout_s,
+            preload=("validation.fake_memory",),
+        )
     except ChildTimeout:
         raise UserError(
             f"fake memory measurement of {scenario_path} {' '.join(overrides)} timed out after {timeout_s:.0f} s"

@@ -150,7 +150,14 @@ def _extract(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     )
     try:  # a child of a forkserver that imported torch and transformers once (sim.childproc)
-        proc = run_module("hfmodel", args, env=env, cwd=os.getcwd(), timeout_s=EXTRACT_TIMEOUT_S)
+        proc = run_module(
+            "hfmodel",
+            args,
+            env=env,
+            cwd=os.getcwd(),
+            timeout_s=EXTRACT_TIMEOUT_S,
+            preload=("hfmodel.describe",),
+        )
     except ChildTimeout:
         raise UserError(
             f"{where}: measuring {config_path} timed out after {EXTRACT_TIMEOUT_S:.0f} s"
