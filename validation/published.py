@@ -433,7 +433,7 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         + _fsdp1_init_text(runs)
         + "; nor the CUDA dropout kernel: with PEFT's LoRA dropout run as CUDA runs it (ATen's fused "
         "`native_dropout`, an output and a bool mask, where the CPU composite makes an fp32 noise tensor; "
-        "128 of the step's 128 MiB requests become 32 MiB ones) the replays stay at 17.34 and 25.34 GiB "
+        "in the first row 128 of the step's 128 MiB requests become 32 MiB ones) the replays stay at 17.34 and 25.34 GiB "
         "(measured 2026-12-04). The candidate left: allocations fake mode cannot see. "
         "The simulator now allocates a segment's saved activations and transients as the tensors they are "
         "made of (the tracer's storages; the eager attention's fp32 softmax and its bf16 cast as two), where it "
