@@ -3,6 +3,9 @@ key and value states stay in the ``DynamicCache``, which the checkpoint regions 
 argument of their recomputation) to the end of the first checkpointed block's backward; each
 recompute appends its block's K/V again."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,8 @@ from sim.errors import UserError
 from sim.outputs.report import build_report
 from sim.scenario.loader import load_scenario
 from sim.simulate import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
 
 DATA = Path(__file__).parent / "data" / "hf"
 
@@ -196,3 +201,42 @@ def test_the_legacy_probe_names_its_rows_in_one_line() -> None:
             cwd=root,
         ).stderr
     )
+
+
+def test_a_legacy_cache_is_refused_in_one_line_on_a_newer_transformers(tmp_path: Path) -> None:
+    """The real runs build the installed transformers' model: a scenario written for transformers
+    < 4.36's (k, v) tuples is refused before anything runs, naming the field and the way out,
+    where the run would fail in its first recompute (or measure another cache)."""
+    import transformers
+
+    from validation.build import check_output_format
+
+    path = _scenario(tmp_path, 'preset = "tiny"', '[checkpointing]\nmode = "full"\n')
+    legacy = load_scenario(path, ["model.use_cache=true", 'model.output_format="legacy"'])
+    with pytest.raises(
+        UserError, match=r'model.output_format = "legacy" is the cache of transformers < 4.36'
+    ):
+        check_output_format(legacy, transformers.__version__)
+    check_output_format(legacy, "4.31.0")  # the old code's own transformers runs it
+    check_output_format(load_scenario(path, ["model.use_cache=false"]), transformers.__version__)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "validation.allocator_replay",
+            str(path),
+            "--set",
+            "model.use_cache=true",
+            "--set",
+            'model.output_format="legacy"',
+            "--set",
+            "parallel.fsdp_version=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "output_format" in out.stderr and "Traceback" not in out.stderr

@@ -17,7 +17,7 @@ from sim.errors import UserError
 from sim.scenario.sections import Scenario
 from sim.workload.checkpointing import CheckpointPlan, checkpoint_plan
 from sim.workload.model import ModelConfig
-from sim.workload.options import Strategy, WrapPolicy
+from sim.workload.options import OutputFormat, Strategy, WrapPolicy
 from sim.workload.units import unit_prefixes
 from validation.sac_policy import op_sac_context, sac_save_list  # noqa: F401 (re-exported)
 
@@ -69,8 +69,26 @@ def build_model(
     return apply_lora(base, finetune_settings(model))
 
 
+def check_output_format(scenario: Scenario, transformers_version: str) -> None:
+    """A scenario whose cache is transformers < 4.36's per-layer (k, v) tuples
+    (``model.output_format = "legacy"``) cannot be run on a newer transformers, whose model
+    returns a ``DynamicCache`` instead (under checkpointing each recompute appends to it and the
+    eager attention's mask no longer fits: "Attempting to broadcast a dimension ..."). The old
+    code runs through ``validation.legacy_transformers --site DIR``."""
+    major, minor = (int(part) for part in transformers_version.split(".")[:2])
+    if scenario.use_cache and scenario.output_format is OutputFormat.LEGACY and (major, minor) >= (4, 36):
+        raise UserError(
+            f'{scenario.source}: model.output_format = "legacy" is the cache of transformers < 4.36, and '
+            f"transformers {transformers_version} is installed: run the old code (python -m "
+            'validation.legacy_transformers SCENARIO --site DIR) or set model.output_format = "current"'
+        )
+
+
 def build_scenario_model(scenario: Scenario) -> nn.Module:
     """The model a validation run trains: the scenario's, with its KV cache and attention settings."""
+    import transformers
+
+    check_output_format(scenario, transformers.__version__)
     return build_model(
         scenario.model,
         scenario.training.seq_len,
