@@ -5,7 +5,14 @@ reserves (``make validate-published`` quotes both, beside the published reserved
 from collections.abc import Sequence
 
 from sim.core.events import MemoryCategory, MemoryRecord
-from sim.outputs.allocator import CachingAllocator, Served, allocator_order, serve_record, steady_state_replay
+from sim.outputs.allocator import (
+    CachingAllocator,
+    Served,
+    allocator_order,
+    serve_record,
+    steady_state_replay,
+    workspace_records,
+)
 from sim.schedule.model_state import stored_bytes, unit_stored_bytes
 from sim.simulate import SimResult
 from sim.workload.units import WrapUnit
@@ -53,15 +60,8 @@ def simulated_reserved_bytes(result: SimResult, *, fsdp1_init: bool) -> tuple[in
         allocator.release_free_segments()
         allocator.peak_reserved = allocator.reserved
     after_init = allocator.reserved
-    if device.cublas_workspace_bytes:
-        workspace = MemoryRecord(
-            rank=0,
-            time_s=0.0,
-            category=MemoryCategory.OTHER,
-            delta_bytes=device.cublas_workspace_bytes,
-            label="cublas_workspace",
-        )
-        serve_record(allocator, workspace, served)
+    for rec in workspace_records(0, device.cublas_workspace_bytes or 0):
+        serve_record(allocator, rec, served)
     reserved = steady_state_replay(allocator, records, served)  # a placed shard stays where it is
     return after_init, max(reserved)
 

@@ -206,8 +206,13 @@ def serve_record(
     if rec.delta_bytes > 0:
         served[name] = [allocator.take(nbytes, rec.stream) for nbytes in tensor_sizes(rec)]
     else:
-        for block in served.pop(name):
-            allocator.give_back(block)
+        release(allocator, served, name)
+
+
+def release(allocator: CachingAllocator, served: Served, label: str) -> None:
+    """All the blocks ``label`` was served as, given back."""
+    for block in served.pop(label):
+        allocator.give_back(block)
 
 
 def steady_state_replay(
@@ -233,23 +238,21 @@ def steady_state_replay(
     carried = {rec.label for rec in records if rec.carried}  # their frees name them by label
     stands_for_left = any(rec.label in carried and rec.delta_bytes < 0 for rec in records)
 
-    def release(labels: list[str]) -> None:
-        for label in labels:
-            for block in served.pop(label):
-                allocator.give_back(block)
-
-    left: list[str] = []
+    left: list[str] = []  # what the step before left live beyond the residents
     for step in range(warm_up_steps + 1):
         first = step == 0  # a first step: nothing carried
         if not first:
             left = [label for label in served if label not in before and label not in resident]
             if not stands_for_left:  # nothing stands for them: the step would otherwise grow without end
-                release(left)
+                for label in left:
+                    release(allocator, served, label)
+                left = []
         reserved = [allocator.reserved]
         for rec in records:
             if rec.label in carried:
-                if not first and rec.delta_bytes < 0 and stands_for_left:
-                    release(left)
+                if rec.delta_bytes < 0:  # the step before's leftovers go where its carried buffer does
+                    for label in left:
+                        release(allocator, served, label)
                     left = []
             elif not (rec.resident and rec.delta_bytes > 0 and rec.label in served):
                 own = first or rec.label in resident
@@ -318,6 +321,21 @@ def peak_active_bytes(table: EventTable, rank: int, *, workspace_bytes: int = 0)
     return max(steps, default=workspace_bytes)
 
 
+def workspace_records(rank: int, workspace_bytes: int) -> list[MemoryRecord]:
+    """The cuBLAS workspace as the allocation the replays serve first (none for 0 bytes)."""
+    if not workspace_bytes:
+        return []
+    return [
+        MemoryRecord(
+            rank=rank,
+            time_s=0.0,
+            category=MemoryCategory.OTHER,
+            delta_bytes=workspace_bytes,
+            label="cublas_workspace",
+        )
+    ]
+
+
 def reserved_curve(
     table: EventTable, rank: int, capacity_bytes: int, *, expandable: bool = False, workspace_bytes: int = 0
 ) -> ReservedCurve:
@@ -325,16 +343,9 @@ def reserved_curve(
     cuBLAS workspace first (it is allocated through the allocator, once per stream that runs
     matmuls: the compute stream), in the steady state (``steady_state_replay``: the step after a
     first one)."""
-    records = allocator_order(list(table.memory_of(rank)))
-    if workspace_bytes:
-        workspace = MemoryRecord(
-            rank=rank,
-            time_s=0.0,
-            category=MemoryCategory.OTHER,
-            delta_bytes=workspace_bytes,
-            label="cublas_workspace",
-        )
-        records.insert(0, workspace)
+    workspace = workspace_records(rank, workspace_bytes)
+    step = allocator_order(list(table.memory_of(rank)))
+    records = [*workspace, *step]
     times = tuple(r.allocator_s for r in records)
     active = tuple(active_steps(records))  # the workspace record is the first of them
     if expandable:
@@ -343,11 +354,10 @@ def reserved_curve(
         )
     allocator = CachingAllocator(capacity_bytes)
     served: Served = {}
-    if workspace_bytes:
-        serve_record(allocator, records[0], served)
-        records = records[1:]
-    reserved = steady_state_replay(allocator, records, served)
-    if not workspace_bytes:  # the workspace's point is the measured step's start
+    for rec in workspace:
+        serve_record(allocator, rec, served)
+    reserved = steady_state_replay(allocator, step, served)
+    if not workspace:  # the workspace's point is the measured step's start
         reserved = reserved[1:]
     return ReservedCurve(times_s=times, reserved_bytes=tuple(reserved), active_bytes=active)
 
