@@ -69,12 +69,17 @@ def build_model(
     return apply_lora(base, finetune_settings(model))
 
 
-def check_output_format(scenario: Scenario, transformers_version: str) -> None:
+def check_output_format(scenario: Scenario, transformers_version: str | None = None) -> None:
     """A scenario whose cache is transformers < 4.36's per-layer (k, v) tuples
     (``model.output_format = "legacy"``) cannot be run on a newer transformers, whose model
     returns a ``DynamicCache`` instead (under checkpointing each recompute appends to it and the
     eager attention's mask no longer fits: "Attempting to broadcast a dimension ..."). The old
-    code runs through ``validation.legacy_transformers --site DIR``."""
+    code runs through ``validation.legacy_transformers --site DIR``. ``transformers_version``:
+    the installed distribution's unless given (read from its metadata: nothing is imported)."""
+    if transformers_version is None:
+        from importlib import metadata
+
+        transformers_version = metadata.version("transformers")
     major, minor = (int(part) for part in transformers_version.split(".")[:2])
     if scenario.use_cache and scenario.output_format is OutputFormat.LEGACY and (major, minor) >= (4, 36):
         raise UserError(
@@ -86,9 +91,7 @@ def check_output_format(scenario: Scenario, transformers_version: str) -> None:
 
 def build_scenario_model(scenario: Scenario) -> nn.Module:
     """The model a validation run trains: the scenario's, with its KV cache and attention settings."""
-    import transformers
-
-    check_output_format(scenario, transformers.__version__)
+    check_output_format(scenario)
     return build_model(
         scenario.model,
         scenario.training.seq_len,

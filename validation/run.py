@@ -67,15 +67,13 @@ def validate_one(
     timeout_s: float,
 ) -> Validation:
     """Run for real, simulate with a calibrated profile, and compare."""
-    import transformers  # torch: only when something runs
-
-    from validation.build import check_output_format
+    from validation.build import check_output_format  # torch: only when something runs
     from validation.build_fsdp1 import check_runs_here
 
     overrides = [*overrides, f"parallel.world_size={nproc}"]
     scenario = load_scenario(scenario_path, overrides)  # a user mistake fails here, before anything runs
     check_runs_here(scenario)
-    check_output_format(scenario, transformers.__version__)
+    check_output_format(scenario)
     with tempfile.TemporaryDirectory(prefix="fsdpsim-profile-") as tmp:
         if profile is None or load_profile(profile).compute is None:
             profile = calibrated_profile(scenario_path, overrides, nproc, Path(tmp), profile)
