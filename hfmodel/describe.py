@@ -205,7 +205,8 @@ def _trace(
             tracer.backward = True
             loss.backward()
         grads = {tracer_key(p.grad) for p in params if p.grad is not None}
-        finish(tracer, grads, block_of=lambda op: owner_block(op, blocks))
+        kernel_inputs = frozenset(uid for call in probe.inputs for uid, _, _ in call if uid is not None)
+        finish(tracer, grads, block_of=lambda op: owner_block(op, blocks), kernel_inputs=kernel_inputs)
         owners.remove()
         # whether autograd keeps each call's output anyway (a trainable projection after it saves
         # it): then the model's ops count it, else the kernel's own saved output must be added

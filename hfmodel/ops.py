@@ -65,15 +65,20 @@ def _useful(op: OpRecord) -> bool:
 
 
 def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[str]) -> list[dict[str, Any]]:
-    """One dict per useful op; an op that does nothing hands its host calls (and its backward,
-    where it is the first to save a storage: ``_released_ahead``) to the next."""
+    """One dict per useful op; an op that does nothing hands its host calls, its requests (a view
+    makes none, but an ``empty`` does) and its backward (where it is the first to save a storage:
+    ``_released_ahead``) to the next."""
     out: list[dict[str, Any]] = []
     sources: list[OpRecord] = []
     entry_of: dict[int, int] = {}  # trace op -> the entry that stands for it
     waiting: list[int] = []
     host, launches, after_head, call_iter = 0, [0, 0], False, iter(calls)
+    requests: list[list[int]] = []
+    checkpointed_requests: list[list[int]] = []
     for op in ops:
         host += op.host_ops
+        requests += [list(r) for r in op.forward_requests]
+        checkpointed_requests += [list(r) for r in op.checkpointed_forward_requests]
         launches = [launches[0] + op.forward_launches, launches[1] + op.backward_launches]
         waiting.append(op.index)
         kind = _kind(op, direct_3d, after_head)
@@ -105,11 +110,13 @@ def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[st
                 "host_ops": host,
                 "forward_launches": launches[0],
                 "backward_launches": launches[1],
+                "forward_requests": requests,
+                "checkpointed_forward_requests": checkpointed_requests,
             }
         )
         sources.append(op)
         entry_of.update((i, len(out) - 1) for i in waiting)
-        host, launches, waiting = 0, [0, 0], []
+        host, launches, waiting, requests, checkpointed_requests = 0, [0, 0], [], [], []
     for entry, op in zip(out, sources, strict=True):
         entry["saved_released_ahead"] = _released_ahead(op, entry_of)
     return out

@@ -28,6 +28,15 @@ forward is running), or by the attention probe (``hfmodel.probe``). For each op:
 Each byte figure has its tensors beside it (``*_pieces``, storage sizes in the order they were
 created: the saved storages; for a peak, those alive at its step), which the caching allocator's
 replay serves one by one as the program does.
+
+And each op's own order of allocations and frees (``forward_requests``): its storages as its aten
+calls make them and drop them, as ``[storage, bytes]`` pairs: ``bytes`` > 0 a storage the forward
+frees itself, < 0 one kept for backward (autograd saves it, or the attention kernel will: the
+probe's q, k and v), 0 the free of ``storage`` (made by this op or an earlier one). A call's
+outputs are made before what it was the last to use is dropped. ``checkpointed_forward_requests``
+(block ops): the same where the block is checkpointed, a saved storage dropped where
+``checkpointed_forward_bytes`` drops it. The caching allocator's replay serves a segment's forward
+in this order (``sim.costs.compute.request_order``).
 """
 
 from collections.abc import Callable
@@ -79,6 +88,9 @@ class OpRecord:
     forward_transient_pieces: tuple[int, ...] = ()
     backward_transient_pieces: tuple[int, ...] = ()
     checkpointed_forward_pieces: tuple[int, ...] = ()
+    # the order of its forward's allocations and frees (see the module docstring)
+    forward_requests: list[tuple[int, int]] = field(default_factory=list)
+    checkpointed_forward_requests: list[tuple[int, int]] = field(default_factory=list)
     gemms: list[tuple[int, int, int, int]] = field(default_factory=list)
     aten_ops: list[int] = field(default_factory=list)  # global forward op indices
     backward_ops: list[int] = field(default_factory=list)
@@ -420,10 +432,15 @@ def _held_until(creator: str, user: OpRecord | None, last_use: int, module_end: 
 
 
 def finish(
-    tracer: Tracer, param_grad_keys: set[int], block_of: Callable[[OpRecord], int | None] | None = None
+    tracer: Tracer,
+    param_grad_keys: set[int],
+    block_of: Callable[[OpRecord], int | None] | None = None,
+    kernel_inputs: frozenset[int] = frozenset(),
 ) -> None:
-    """Saved bytes and transients of every op, from the storages' recorded lives; with
-    ``block_of`` (the block an op runs in) also each block op's ``checkpointed_forward_bytes``."""
+    """Saved bytes and transients of every op, from the storages' recorded lives, and its order of
+    requests (``kernel_inputs``: the storages the attention probe was handed, which the kernel
+    keeps); with ``block_of`` (the block an op runs in) also each block op's
+    ``checkpointed_forward_bytes`` and requests."""
     tracer._sweep()
     steps = tracer.step
     forward_lives = []
@@ -443,8 +460,32 @@ def finish(
     for o in tracer.ops:
         o.forward_transient_bytes, o.forward_transient_pieces = fwd[o.index]
         o.backward_transient_bytes, o.backward_transient_pieces = bwd[o.index]
+    kept = tracer.saved | kernel_inputs
+    ends = {uid: died for uid, _, _, died, _, in_backward, _ in tracer.storages if not in_backward}
+    for o, requests in zip(tracer.ops, _requests(tracer, kept, ends), strict=True):
+        o.forward_requests = requests
     if block_of is not None:
         _checkpointed_forward(tracer, block_of)
+
+
+def _requests(tracer: Tracer, kept: set[int] | frozenset[int], ends: dict[int, int | None]) -> list[list[tuple[int, int]]]:
+    """Each op's forward requests (see the module docstring): every forward storage made at its
+    step (``bytes`` < 0 where in ``kept``), and freed after the step ``ends`` gives it (None, a
+    backward step, or kept: not in the forward)."""
+    op_of = {step: o.index for o in tracer.ops for step in o.aten_ops}
+    events: list[tuple[int, int, int, int]] = []  # (step, 0 made / 1 freed, uid, bytes)
+    for uid, nbytes, created, _, _, in_backward, _ in tracer.storages:
+        if in_backward or nbytes <= 0:
+            continue
+        events.append((created, 0, uid, -nbytes if uid in kept else nbytes))
+        end = ends.get(uid)
+        if uid not in kept and end is not None and end in op_of:
+            events.append((end, 1, uid, 0))
+    out: list[list[tuple[int, int]]] = [[] for _ in tracer.ops]
+    for step, _, uid, nbytes in sorted(events):
+        if step in op_of:
+            out[op_of[step]].append((uid, nbytes))
+    return out
 
 
 def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | None]) -> None:
@@ -462,6 +503,7 @@ def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | N
             prefix = ".".join(parts[:i])
             module_end[prefix] = max(module_end.get(prefix, 0), max(o.aten_ops, default=0))
     lives: dict[int, list[tuple[int, int, int]]] = {}
+    ends: dict[int, int | None] = {}  # the last step each storage of a block is held
     for uid, nbytes, created, died, op, in_backward, last_use in tracer.storages:
         block = blocks[op]
         if in_backward or block is None:
@@ -474,8 +516,12 @@ def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | N
         else:
             last = tracer.step + 1 if died is None else died
         lives.setdefault(block, []).append((created, last + 1, nbytes))
+        ends[uid] = last
     for block, block_lives in lives.items():
         windows = {o.index: o.aten_ops for o in tracer.ops if blocks[o.index] == block}
         for index, figure in peak_sets_per_op(block_lives, windows, tracer.step).items():
             o = tracer.ops[index]
             o.checkpointed_forward_bytes, o.checkpointed_forward_pieces = figure
+    for o, requests in zip(tracer.ops, _requests(tracer, set(), ends), strict=True):
+        if blocks[o.index] is not None:
+            o.checkpointed_forward_requests = requests

@@ -280,6 +280,7 @@ class Engine:
                     label=label,
                     stream=stream,
                     pieces=alloc.pieces,
+                    order=alloc.order,
                     resident=op_id == -1,
                     carried=alloc.carried,
                 )

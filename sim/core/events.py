@@ -88,6 +88,26 @@ class OpRecord:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RequestOrder:
+    """The order in which the op that allocates a buffer makes and frees its tensors, where known:
+    the buffer's own and, made beside them, those of ``partner`` (a segment's saved activations
+    and its transient), as the caching allocator is asked for them. ``events``: n > 0 a request of
+    n bytes, n <= 0 the free of request number -n (requests numbered from 0 in order). The
+    requests still live after the last event are the buffer's own where ``kept`` says so (freed
+    with it), else the partner's; with no partner (``""``) all are the buffer's own. A backward's
+    order may also release tensors of the activations it consumes (``consumed``, a buffer served
+    in order) before they are freed as a whole: ``releases``, (e, p) before event number e (after
+    the last where e is their count), that buffer's tensor at position p of those its order kept.
+    The allocated-memory curve sees only the buffers' bytes."""
+
+    events: tuple[int, ...]
+    kept: tuple[bool, ...]  # per request
+    partner: str = ""
+    consumed: str = ""
+    releases: tuple[tuple[int, int], ...] = ()  # e ascending
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryRecord:
     """One allocation (``delta_bytes`` > 0) or free (< 0) of a labelled buffer on one rank, at the
     device's time (``time_s``: what the kernels hold as they run); an allocation names the stream
@@ -100,6 +120,7 @@ class MemoryRecord:
     label: str
     stream: Stream = Stream.COMPUTE
     pieces: tuple[int, ...] = ()  # an allocation's tensors (``sim.core.program.Alloc.pieces``)
+    order: RequestOrder | None = None  # how they are made and freed (``sim.core.program.Alloc.order``)
     # an allocation live before the step starts (``Program.initial``); ``carried``: one standing
     # for what the previous step left live (``sim.core.program.Alloc.carried``)
     resident: bool = False
@@ -119,6 +140,7 @@ class MemoryRecord:
             label=self.label,
             stream=self.stream,
             pieces=self.pieces,
+            order=self.order,
             host_s=host_s,
             resident=self.resident,
             carried=self.carried,

@@ -6,7 +6,7 @@ program; only its process groups differ.
 
 from dataclasses import dataclass, field, replace
 
-from sim.core.events import MemoryCategory, OpKind, Stream
+from sim.core.events import MemoryCategory, OpKind, RequestOrder, Stream
 from sim.core.topology import GroupKind
 
 
@@ -30,6 +30,10 @@ class Alloc:
     # held output): the caching allocator's steady-state replay (``sim.outputs.allocator``) puts in
     # its place the buffers the step before left, wherever that step's requests put them
     carried: bool = False
+    # the order of the op's requests, this buffer's tensors and a partner's interleaved as the
+    # program makes and frees them (``RequestOrder``), where known; the caching allocator's replay
+    # then serves that order in place of ``pieces`` (and of the partner's)
+    order: RequestOrder | None = None
 
     def __post_init__(self) -> None:
         if self.pieces and sum(self.pieces) != self.bytes:

@@ -31,6 +31,7 @@ from sim.core.events import (
     OpKind,
     OpRecord,
     RankSummary,
+    RequestOrder,
     Stream,
 )
 from sim.core.host_clock import HostClock
@@ -281,25 +282,26 @@ class _Ledger:
     label: tuple[str, ...]
     stream: tuple[Stream, ...]
     pieces: tuple[tuple[int, ...], ...]  # an allocation's tensors (``Alloc.pieces``)
+    orders: tuple[RequestOrder | None, ...]  # and their order (``Alloc.order``)
     initial: tuple[Alloc, ...]
 
 
 def _ledger(program: Program) -> _Ledger:
     sizes: dict[str, tuple[MemoryCategory, int]] = {a.label: (a.category, a.bytes) for a in program.initial}
-    rows: list[tuple[int, bool, int, MemoryCategory, str, Stream, tuple[int, ...]]] = []
+    rows: list[tuple[int, bool, int, MemoryCategory, str, Stream, tuple[int, ...], RequestOrder | None]] = []
     for op in program.ops:
         for label in op.start_frees:
             category, nbytes = sizes[label]
-            rows.append((op.op_id, False, -nbytes, category, label, op.stream, ()))
+            rows.append((op.op_id, False, -nbytes, category, label, op.stream, (), None))
         for a in op.allocs:
             sizes[a.label] = (a.category, a.bytes)
-            rows.append((op.op_id, False, a.bytes, a.category, a.label, op.stream, a.pieces))
+            rows.append((op.op_id, False, a.bytes, a.category, a.label, op.stream, a.pieces, a.order))
         for label in op.frees:
             category, nbytes = sizes[label]
-            rows.append((op.op_id, True, -nbytes, category, label, op.stream, ()))
+            rows.append((op.op_id, True, -nbytes, category, label, op.stream, (), None))
         for a in op.end_allocs:
             sizes[a.label] = (a.category, a.bytes)
-            rows.append((op.op_id, True, a.bytes, a.category, a.label, op.stream, a.pieces))
+            rows.append((op.op_id, True, a.bytes, a.category, a.label, op.stream, a.pieces, a.order))
     rows = [r for r in rows if r[2] != 0]
     return _Ledger(
         op_ids=np.array([r[0] for r in rows], dtype=np.int64),
@@ -309,6 +311,7 @@ def _ledger(program: Program) -> _Ledger:
         label=tuple(r[4] for r in rows),
         stream=tuple(r[5] for r in rows),
         pieces=tuple(r[6] for r in rows),
+        orders=tuple(r[7] for r in rows),
         initial=tuple(a for a in program.initial if a.bytes > 0),
     )
 
@@ -386,6 +389,7 @@ def _memory_records(ledger: _Ledger, solved: _Pass, rank: int, clock: HostClock 
                 label=ledger.label[k],
                 stream=ledger.stream[k],
                 pieces=ledger.pieces[k],
+                order=ledger.orders[k],
                 host_s=host_s,
             )
         )

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Protocol
 
+from sim.core.events import RequestOrder
 from sim.costs.gpu import has_gpu_figures, kernel_model
 from sim.dtypes import dtype_bytes
 from sim.errors import UserError
@@ -129,6 +130,14 @@ class SegmentFigures:
     forward_transient_pieces: tuple[int, ...] = ()
     backward_transient_pieces: tuple[int, ...] = ()
     checkpointed_forward_pieces: tuple[int, ...] = ()
+    # the order of the forward's requests, its saved tensors and its transient's interleaved as
+    # the ops make and free them (``request_order``), and where the block is checkpointed; None:
+    # not known, the tensors above then serve
+    forward_order: RequestOrder | None = None
+    checkpointed_forward_order: RequestOrder | None = None
+    # the backward transient's, where its peak is an attention kernel's that knows its order
+    # (``backward_order``): served in place of ``backward_transient_pieces``
+    backward_order: RequestOrder | None = None
     # each op's backward, in forward order (``BackwardStep``); empty: the segment's transient only
     backward_steps: tuple[BackwardStep, ...] = ()
     grad_numel: int = 0  # trainable elements of the segment's ops
@@ -306,9 +315,16 @@ class ComputeCosts:
                     later_grad_numels=tuple(n for later in trainable[j + 1 :] for n in later),
                 )
             )
-        peak_step = max(steps, key=lambda st: st.beyond_saved_bytes, default=None)
+        peak_at = max(range(len(steps)), key=lambda j: steps[j].beyond_saved_bytes, default=None)
+        peak_step = None if peak_at is None else steps[peak_at]
         backward_transient = max(0, peak_step.beyond_saved_bytes) if peak_step else 0
         backward_pieces = peak_step.pieces if peak_step else ()
+        kernel_backward = None
+        if peak_at is not None and backward_pieces and seg.ops[peak_at].kernel_backward_requests is not None:
+            tensors = seg.ops[peak_at].tensors("backward_transient")  # the kernel's is the last
+            if len(backward_pieces) >= len(tensors):  # not cut away where later saves hold it
+                model_pieces = backward_pieces[: len(tensors) - 1] + backward_pieces[len(tensors) :]
+                kernel_backward = backward_order(seg.ops, peak_at, model_pieces)
         checkpointed = _checkpointed_forward_op(seg.ops)
 
         return SegmentFigures(
@@ -345,6 +361,11 @@ class ComputeCosts:
             checkpointed_forward_pieces=()
             if checkpointed is None or not measured
             else checkpointed.tensors("checkpointed_forward"),
+            forward_order=request_order(seg.ops, "forward") if measured else None,
+            checkpointed_forward_order=request_order(seg.ops, "checkpointed_forward", all_kept=True)
+            if measured
+            else None,
+            backward_order=kernel_backward,
         )
 
     def copy_s(self, nbytes: float) -> float:
@@ -356,6 +377,78 @@ class ComputeCosts:
         each: the per-element figure is fp32's, and the step is bandwidth-bound, so bf16 states
         (``StepConfig.master_dtype``) move, and take, half of it."""
         return numel * self.optimizer_s_per_element * state_bytes / 4
+
+
+def request_order(ops: Sequence[LayerOp], figure: str, *, all_kept: bool = False) -> RequestOrder | None:
+    """The ops' ``<figure>_requests`` one after another, as the caching allocator is asked for
+    them: each tensor made a request, its free (where it was made in these ops; a storage of an
+    earlier segment is freed with that segment's buffers) the free of that request. A kept tensor
+    (bytes < 0) is the saved buffer's, any other still live at the end the transient's (its
+    consumer is a later segment's op); ``all_kept``: all are the buffer's (a checkpointed block
+    saves nothing, and its segment's one buffer holds everything it leaves live). None where an
+    op's order is not known. A model's storages are numbered alike in every block (the traced
+    representative's), a kernel's own tensors (negative numbers) per op."""
+    joined = _joined_order(ops, figure, all_kept=all_kept)
+    return None if joined is None else joined[0]
+
+
+def _tensor_key(position: int, tensor: int) -> object:
+    """A tensor of a segment's requests: a model's storage by its number, a kernel's own (< 0)
+    with its op's position."""
+    return (position, tensor) if tensor < 0 else tensor
+
+
+def _joined_order(
+    ops: Sequence[LayerOp], figure: str, *, all_kept: bool = False
+) -> tuple[RequestOrder, dict[object, int]] | None:
+    """``request_order``, and where each kept tensor is among those the buffer keeps (in order)."""
+    requests = [getattr(op, f"{figure}_requests") for op in ops]
+    if not ops or any(r is None for r in requests):
+        return None
+    index: dict[object, int] = {}  # tensor -> its request's number
+    kept_at: dict[object, int] = {}
+    events: list[int] = []
+    kept: list[bool] = []
+    for position, op_requests in enumerate(requests):
+        for tensor, nbytes in op_requests:
+            key = _tensor_key(position, tensor)
+            if nbytes:
+                index[key] = len(kept)
+                events.append(abs(nbytes))
+                if nbytes < 0:
+                    kept_at[key] = sum(kept)
+                kept.append(all_kept or nbytes < 0)
+            elif key in index:
+                events.append(-index.pop(key))
+    return RequestOrder(events=tuple(events), kept=tuple(kept)), kept_at
+
+
+def backward_order(
+    ops: Sequence[LayerOp], at: int, model_pieces: tuple[int, ...]
+) -> RequestOrder | None:
+    """The backward transient's requests where it peaks at op ``at`` and that op's attention kernel
+    knows its own order (``LayerOp.kernel_backward_requests``): the model's tensors of the peak
+    (``model_pieces``, live to the end), then the kernel's gradients as it makes and frees them,
+    releasing the s² tensors the forward kept (positions in the forward's order,
+    ``_joined_order``). None where the forward's order is not known."""
+    kernel = ops[at].kernel_backward_requests
+    joined = _joined_order(ops, "forward")
+    if kernel is None or joined is None:
+        return None
+    kept_at = joined[1]
+    events = list(model_pieces)
+    made = len(events)  # requests so far
+    index: dict[int, int] = {}
+    releases: list[tuple[int, int]] = []
+    for tensor, nbytes in kernel:
+        if nbytes:
+            index[tensor], made = made, made + 1
+            events.append(nbytes)
+        elif tensor in index:
+            events.append(-index.pop(tensor))
+        else:
+            releases.append((len(events), kept_at[_tensor_key(at, tensor)]))
+    return RequestOrder(events=tuple(events), kept=(True,) * made, releases=tuple(releases))
 
 
 def _checkpointed_forward_op(ops: Sequence[LayerOp]) -> LayerOp | None:

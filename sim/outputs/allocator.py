@@ -191,28 +191,63 @@ def tensor_sizes(rec: MemoryRecord) -> tuple[int, ...]:
     return tuple(p for p in rec.pieces if p > 0) if rec.pieces else (rec.delta_bytes,)
 
 
-# the blocks each label's tensors were served as (``serve_record``)
-Served = dict[str, list[Block]]
+# the blocks each label's tensors were served as (``serve_record``); None: a tensor released
+# before its buffer is freed (``RequestOrder.releases``)
+Served = dict[str, list[Block | None]]
 
 
-def serve_record(
-    allocator: CachingAllocator, rec: MemoryRecord, served: Served, *, label: str | None = None
-) -> None:
+def serve_record(allocator: CachingAllocator, rec: MemoryRecord, served: Served, *, suffix: str = "") -> None:
     """One memory record through ``allocator``: an allocation as its tensors (``tensor_sizes``),
-    in order, each its own request; a free as the release of all the tensors its label was served
-    as (``served``: label -> their blocks, kept by the caller across records). ``label``: the name
-    it is served under, where not its own."""
-    name = rec.label if label is None else label
-    if rec.delta_bytes > 0:
-        served[name] = [allocator.take(nbytes, rec.stream) for nbytes in tensor_sizes(rec)]
-    else:
+    in order, each its own request, or as its order of requests (``MemoryRecord.order``), which
+    also places its partner's tensors (the partner's own allocation is then not served again); a
+    free as the release of all the tensors its label was served as (``served``: label -> their
+    blocks, kept by the caller across records). ``suffix``: added to the labels it is served under."""
+    name = rec.label + suffix
+    if rec.delta_bytes <= 0:
         release(allocator, served, name)
+    elif rec.order is not None:
+        _serve_order(allocator, rec, served, suffix)
+    elif name not in served:  # else placed by its partner's order
+        served[name] = [allocator.take(nbytes, rec.stream) for nbytes in tensor_sizes(rec)]
+
+
+def _serve_order(allocator: CachingAllocator, rec: MemoryRecord, served: Served, suffix: str) -> None:
+    """``rec.order``'s requests, frees and releases in turn; what is still live at its end goes to
+    the record's label where kept (or where there is no partner), else to the partner's."""
+    order = rec.order
+    assert order is not None
+    blocks: list[Block | None] = []
+    releases = iter(order.releases)
+    release_next = next(releases, None)
+    for e, event in enumerate((*order.events, None)):
+        while release_next is not None and release_next[0] == e:  # a consumed tensor, released
+            consumed = served[order.consumed + suffix]
+            block, consumed[release_next[1]] = consumed[release_next[1]], None
+            assert block is not None, f"{order.consumed}: tensor {release_next[1]} released twice"
+            allocator.give_back(block)
+            release_next = next(releases, None)
+        if event is None:
+            break
+        if event > 0:
+            blocks.append(allocator.take(event, rec.stream))
+        else:
+            block = blocks[-event]
+            assert block is not None, f"{rec.label}: request {-event} freed twice"
+            allocator.give_back(block)
+            blocks[-event] = None
+    own = [b for b, k in zip(blocks, order.kept, strict=True) if b is not None and (k or not order.partner)]
+    served[rec.label + suffix] = own
+    if order.partner:
+        served[order.partner + suffix] = [
+            b for b, k in zip(blocks, order.kept, strict=True) if b is not None and not k
+        ]
 
 
 def release(allocator: CachingAllocator, served: Served, label: str) -> None:
     """All the blocks ``label`` was served as, given back."""
     for block in served.pop(label):
-        allocator.give_back(block)
+        if block is not None:
+            allocator.give_back(block)
 
 
 def steady_state_replay(
@@ -256,7 +291,7 @@ def steady_state_replay(
                     left = []
             elif not (rec.resident and rec.delta_bytes > 0 and rec.label in served):
                 own = first or rec.label in resident
-                serve_record(allocator, rec, served, label=None if own else f"{rec.label}@{step}")
+                serve_record(allocator, rec, served, suffix="" if own else f"@{step}")
             reserved.append(allocator.reserved)
     return reserved
 

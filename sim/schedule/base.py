@@ -8,9 +8,9 @@ A schedule (``sim.schedule.fsdp2``, ``sim.schedule.ddp``, and those to come) ext
 """
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from sim.core.events import MemoryCategory, OpKind, Stream
+from sim.core.events import MemoryCategory, OpKind, RequestOrder, Stream
 from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.dtypes import dtype_bytes
@@ -284,6 +284,21 @@ class ScheduleBuilder:
 
     # -- forward and recompute ------------------------------------------------------------
 
+    def saved_and_transient(
+        self, saved: Alloc, transient: Alloc, order: RequestOrder | None
+    ) -> tuple[Alloc, Alloc]:
+        """A forward's saved buffer and its transient, with the order in which its ops make and
+        free their tensors (``SegmentFigures.forward_order``) on the first that holds bytes: the
+        caching allocator's replay serves both in that order."""
+        if order is None or not order.events:
+            return saved, transient
+        if saved.bytes > 0:
+            partner = transient.label if transient.bytes > 0 else ""
+            return replace(saved, order=replace(order, partner=partner)), transient
+        if transient.bytes > 0:  # all it leaves live is the transient's (freed as the segment ends)
+            return saved, replace(transient, order=order)
+        return saved, transient
+
     def forward_segment(
         self,
         i: int,
@@ -308,6 +323,7 @@ class ScheduleBuilder:
         saved = self.label("activations", seg.unit, mb)
         saved_bytes, transient_bytes = fig.saved_bytes, fig.forward_transient_bytes
         saved_pieces, transient_pieces = fig.tensors("saved"), fig.tensors("forward_transient")
+        order = fig.forward_order
         if (
             self.checkpointed(i)
             and fig.checkpointed_forward_bytes is not None
@@ -317,9 +333,16 @@ class ScheduleBuilder:
             # only to its last forward use), in place of all its saves plus its transient
             saved_bytes, transient_bytes = fig.checkpointed_forward_bytes, 0
             saved_pieces, transient_pieces = fig.tensors("checkpointed_forward"), ()
-        allocs.append(
-            Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=saved_bytes, pieces=saved_pieces)
+            order = fig.checkpointed_forward_order
+        transient = self.label("forward_temp", seg.unit, mb)
+        saved_alloc, transient_alloc = self.saved_and_transient(
+            Alloc(label=saved, category=MemoryCategory.ACTIVATIONS, bytes=saved_bytes, pieces=saved_pieces),
+            Alloc(
+                label=transient, category=MemoryCategory.OTHER, bytes=transient_bytes, pieces=transient_pieces
+            ),
+            order,
         )
+        allocs.append(saved_alloc)
         if self.checkpointed(i):
             frees.append(saved)
             if fig.saved_after_block_bytes and not self._next_region_checkpointed(i):
@@ -361,13 +384,7 @@ class ScheduleBuilder:
             acts.kv_cache = []
         allocs += self._float_masks_made(i, mb, acts)
         frees += self._float_masks_dropped(i, acts, backward=False)
-        transient = self.label("forward_temp", seg.unit, mb)
-        allocs += [
-            *extra_allocs,
-            Alloc(
-                label=transient, category=MemoryCategory.OTHER, bytes=transient_bytes, pieces=transient_pieces
-            ),
-        ]
+        allocs += [*extra_allocs, transient_alloc]
         frees += [transient, *extra_frees]
         return self.compute(
             OpKind.FORWARD,
@@ -471,27 +488,29 @@ class ScheduleBuilder:
             saved = self.label("recomputed_activations", seg.unit, mb)
             transient = self.label("recompute_temp", seg.unit, mb)
             acts.saved[i] = saved
+            whole = recomputed_bytes == fig.saved_bytes  # op-level SAC recomputes part of it
+            saved_alloc, transient_alloc = self.saved_and_transient(
+                Alloc(
+                    label=saved,
+                    category=MemoryCategory.ACTIVATIONS,
+                    bytes=recomputed_bytes,
+                    pieces=fig.tensors("saved") if whole else (),
+                ),
+                Alloc(
+                    label=transient,
+                    category=MemoryCategory.OTHER,
+                    bytes=fig.forward_transient_bytes,
+                    pieces=fig.tensors("forward_transient"),
+                ),
+                fig.forward_order if whole and not selective else None,
+            )
             op = self.compute(
                 OpKind.RECOMPUTE,
                 seg.name,
                 seg.unit,
                 mb,
                 fig.sac_recompute_s if selective else fig.recompute_s,
-                allocs=(
-                    Alloc(
-                        label=saved,
-                        category=MemoryCategory.ACTIVATIONS,
-                        bytes=recomputed_bytes,
-                        pieces=fig.tensors("saved") if recomputed_bytes == fig.saved_bytes else (),
-                    ),
-                    Alloc(
-                        label=transient,
-                        category=MemoryCategory.OTHER,
-                        bytes=fig.forward_transient_bytes,
-                        pieces=fig.tensors("forward_transient"),
-                    ),
-                    *extra,
-                ),
+                allocs=(saved_alloc, transient_alloc, *extra),
                 frees=(transient,),
                 start_frees=start_frees,
                 host_s=fig.forward_host_s,
@@ -523,6 +542,7 @@ class ScheduleBuilder:
         holds its ops' transient and the gradients its later ops made (``backward_held``)."""
         seg, fig = self.cfg.segments[i], self.cfg.figures[i]
         transient = self.label("backward_temp", seg.unit, mb)
+        consumed = acts.saved[i]
         frees = [
             transient,
             acts.saved.pop(i),
@@ -561,13 +581,35 @@ class ScheduleBuilder:
             mb,
             fig.backward_s,
             allocs=(
-                Alloc(label=transient, category=MemoryCategory.OTHER, bytes=held_bytes, pieces=held_pieces),
+                Alloc(
+                    label=transient,
+                    category=MemoryCategory.OTHER,
+                    bytes=held_bytes,
+                    pieces=held_pieces,
+                    order=self._backward_order(i, consumed, held_pieces),
+                ),
             ),
             frees=tuple(frees),
             end_allocs=end_allocs,
             host_s=fig.backward_host_s,
             launches=fig.backward_launches,
         )
+
+    def _backward_order(self, i: int, consumed: str, held_pieces: tuple[int, ...]) -> RequestOrder | None:
+        """Segment ``i``'s backward order (``SegmentFigures.backward_order``), releasing tensors of
+        ``consumed``: where the segment's activations were served in the forward's order (its
+        forward, or its block's recompute, not op-level SAC's partial one) and the peak is the
+        transient's own (no gradients of later ops above it)."""
+        cfg, fig = self.cfg, self.cfg.figures[i]
+        if (
+            fig.backward_order is None
+            or fig.forward_order is None
+            or fig.saved_bytes <= 0
+            or held_pieces != fig.tensors("backward_transient")
+            or (self.checkpointed(i) and cfg.checkpoint.selective_op)
+        ):
+            return None
+        return replace(fig.backward_order, consumed=consumed)
 
     def grad_scaler_unscale(self) -> None:
         """``scaler.unscale_(optimizer)``: ``_amp_foreach_non_finite_check_and_unscale_`` reads and

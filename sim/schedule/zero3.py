@@ -171,7 +171,7 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
             seg.unit,
             mb,
             fig.recompute_s,
-            allocs=(
+            allocs=self.saved_and_transient(
                 Alloc(
                     label=saved, category=Mem.ACTIVATIONS, bytes=fig.saved_bytes, pieces=fig.tensors("saved")
                 ),
@@ -181,6 +181,7 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
                     bytes=fig.forward_transient_bytes,
                     pieces=fig.tensors("forward_transient"),
                 ),
+                fig.forward_order,
             ),
             frees=(transient,),
             host_s=fig.forward_host_s,

@@ -19,14 +19,20 @@ from sim.workload.layers import (
     AttentionShape,
     LayerKind,
     LayerOp,
+    Request,
     Workload,
     _sac_kept,
+    attention_kernel_backward_requests,
     attention_kernel_figures,
+    attention_kernel_requests,
     attention_saved_pieces,
 )
 from sim.workload.params import ParamSpec
 
 KINDS = {k.value: k for k in LayerKind}
+# the first number QLoRA's dequantized weights take as tensors of an op's requests (counting down,
+# apart from the model's storages and the attention kernel's)
+DEQUANT_TENSOR_IDS = -1000
 
 
 def _check_workload(d: ModelDescription, w: Workload) -> None:
@@ -75,7 +81,12 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
         shape, w, output_saved=not a.output_counted, model_backward_bytes=base.backward_transient_bytes
     )
     qkv, own, out = attention_saved_pieces(shape, w, output_saved=not a.output_counted)
+    # the kernel's own tensors before the probe's (its output), which the kernel makes last
+    kernel, kernel_checkpointed = attention_kernel_requests(shape, w, output_saved=not a.output_counted)
     given = _given_bytes(shape, w, not a.output_counted)
+    backward_pieces = _joined(base.backward_transient_bytes, base.backward_transient_pieces, bwd)
+    # the kernel's part of the backward transient is its last piece: its own order replaces it
+    kernel_backward = attention_kernel_backward_requests(shape, w) if bwd > 0 and backward_pieces else None
     # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)
     backward_flops = None if base.backward_flops is None else base.backward_flops + 2.0 * flops
     return LayerOp(
@@ -102,7 +113,12 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
             fwd,
         ),
         backward_transient_bytes=base.backward_transient_bytes + bwd,
-        backward_transient_pieces=_joined(base.backward_transient_bytes, base.backward_transient_pieces, bwd),
+        backward_transient_pieces=backward_pieces,
+        kernel_backward_requests=kernel_backward,
+        forward_requests=None if base.forward_requests is None else (*kernel, *base.forward_requests),
+        checkpointed_forward_requests=None
+        if base.checkpointed_forward_requests is None
+        else (*kernel_checkpointed, *base.checkpointed_forward_requests),
         attention=shape,
         host_ops=base.host_ops,
         launches=base.launches,
@@ -155,6 +171,13 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
     if op.module.endswith(".base_layer") and op.gemm is not None:
         moved += 2 * op.gemm[0] * op.gemm[1] * a
     forward_pieces = [dequant_transient_bytes(n, a, dq, backward=False) for n in numels]
+    # each weight dequantized as the op starts, freed as it ends (tensors numbered apart)
+    made = tuple((DEQUANT_TENSOR_IDS - k, n) for k, n in enumerate(forward_pieces))
+    freed = tuple((i, 0) for i, _ in made)
+
+    def around(requests: tuple[Request, ...] | None) -> tuple[Request, ...] | None:
+        return None if requests is None else (*made, *requests, *freed)
+
     backward_pieces = [dequant_transient_bytes(n, a, dq, backward=True) for n in numels] if backward else []
     forward_dequant = sum(forward_pieces)
     return replace(
@@ -170,6 +193,8 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
         checkpointed_forward_pieces=_joined(
             op.checkpointed_forward_bytes, op.checkpointed_forward_pieces, *forward_pieces
         ),
+        forward_requests=around(op.forward_requests),
+        checkpointed_forward_requests=around(op.checkpointed_forward_requests),
         backward_memory_bytes=(op.backward_memory_bytes or 0.0) + (moved if backward else 0.0),
         backward_transient_bytes=op.backward_transient_bytes + sum(backward_pieces),
         backward_transient_pieces=_joined(
@@ -198,6 +223,8 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, masks: 
         forward_transient_pieces=op.forward_transient_pieces,
         backward_transient_pieces=op.backward_transient_pieces,
         checkpointed_forward_pieces=op.checkpointed_forward_pieces if op.block is not None else (),
+        forward_requests=op.forward_requests,
+        checkpointed_forward_requests=op.checkpointed_forward_requests if op.block is not None else None,
         gemm=op.gemms[0][:3] if single else None,
         grouped_gemms=() if single else op.gemms,
         host_ops=op.host_ops,

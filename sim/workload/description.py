@@ -35,8 +35,8 @@ from sim.workload.params import ParamSpec
 # ``backward_start_bytes``; 7: block ops' ``checkpointed_forward_bytes``; 8: every byte figure's
 # tensors (``saved_pieces``, ``forward_transient_pieces``, ``checkpointed_forward_pieces``,
 # ``backward_transient_pieces``); 9: ops' ``saved_released_ahead``; 10: ops' ``forward_launches``
-# and ``backward_launches``
-DESCRIPTION_VERSION = 10
+# and ``backward_launches``; 11: ops' ``forward_requests`` and ``checkpointed_forward_requests``
+DESCRIPTION_VERSION = 11
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -88,6 +88,11 @@ class DescribedOp:
     forward_transient_pieces: tuple[int, ...] = ()
     checkpointed_forward_pieces: tuple[int, ...] = ()
     backward_transient_pieces: tuple[int, ...] = ()
+    # its forward's allocations and frees in order, as (storage, bytes): bytes > 0 a storage the
+    # forward frees, < 0 one kept for backward, 0 the free of the storage (``hfmodel.trace``);
+    # and where its block is checkpointed (nothing kept)
+    forward_requests: tuple[tuple[int, int], ...] = ()
+    checkpointed_forward_requests: tuple[tuple[int, int], ...] = ()
     gemms: tuple[tuple[int, int, int, int], ...] = ()
     attention: AttentionCall | None = None
     host_ops: int = 0
@@ -184,6 +189,18 @@ def _pieces(r: "_Reader", figure: str, where: str) -> tuple[int, ...]:
     return tuple(pieces)
 
 
+def _requests(r: "_Reader", key: str, where: str) -> tuple[tuple[int, int], ...]:
+    """``forward_requests`` and ``checkpointed_forward_requests``: [storage, bytes] pairs of
+    integers (bytes signed: made and freed, made and kept, or 0: freed)."""
+    raw = r.get(key, list)
+    if not all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+        for p in raw
+    ):
+        raise UserError(f"{where}: {key} entries must be [storage, bytes] pairs of integers")
+    return tuple((p[0], p[1]) for p in raw)
+
+
 def _released_ahead(r: "_Reader", where: str) -> tuple[tuple[int, int], ...]:
     """``saved_released_ahead``: [ops ahead, bytes] pairs of positive integers, within the op's
     saved bytes."""
@@ -239,6 +256,8 @@ def _op(raw: Any, where: str) -> DescribedOp:
             f"{figure}_pieces": _pieces(r, figure, where)
             for figure in ("saved", "forward_transient", "checkpointed_forward", "backward_transient")
         },
+        forward_requests=_requests(r, "forward_requests", where),
+        checkpointed_forward_requests=_requests(r, "checkpointed_forward_requests", where),
         gemms=_gemms(r.get("gemms", list), where),
         attention=call,
         host_ops=r.get("host_ops", int),

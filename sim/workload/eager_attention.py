@@ -96,3 +96,63 @@ def eager_score_bytes(a: int, *, softcap: bool, dropout: bool) -> EagerScoreByte
         backward_peak=max(steps),
         av_backward=a,
     )
+
+
+def eager_score_requests(a: int, *, softcap: bool, dropout: bool) -> tuple[tuple[int, int], ...]:
+    """The table above as the forward allocates and frees it, per score: ``(tensor, bytes)`` pairs
+    (``sim.workload.description.DescribedOp.forward_requests``: bytes > 0 a tensor the forward
+    frees, < 0 one kept for backward, 0 the free of the tensor), tensors numbered -1, -2, ... (a
+    kernel's own, apart from the model's storages). Each op's output is made before the input it
+    was the last to read is freed; the masked scores stay referenced through the cast back (the
+    softmax and the cast are one expression), the fp32 copy only through the softmax."""
+    upcast = a < FP32_BYTES
+    out: list[tuple[int, int]] = [(-1, a), (-2, a), (-1, 0)]  # q @ kᵀ, then its scaled copy
+    scores = -2
+    if softcap:  # / cap, tanh (kept), * cap
+        out += [(-3, a), (scores, 0), (-4, -a), (-3, 0), (-5, a)]
+        scores = -5
+    out += [(-6, a), (scores, 0)]  # + attention_mask
+    if upcast:  # softmax's fp32 copy of its input, its fp32 output (kept), the cast back
+        out += [(-7, FP32_BYTES), (-8, -FP32_BYTES), (-7, 0), (-9, a if dropout else -a), (-6, 0)]
+    else:
+        out += [(-8, -FP32_BYTES), (-6, 0)]
+    if dropout:  # the noise and the output, kept; the cast (low precision) freed
+        out += [(-10, -a), (-11, -a)] + ([(-9, 0)] if upcast else [])
+    return tuple(out)
+
+
+def eager_score_backward_requests(a: int, *, softcap: bool, dropout: bool) -> tuple[tuple[int, int], ...]:
+    """The table's backward as it allocates and frees, per score: ``(tensor, bytes)`` pairs,
+    bytes > 0 a gradient it makes (numbered -21, -22, ...), 0 the free of one, or the release of a
+    tensor the forward kept (``eager_score_requests``' numbers): autograd drops a saved tensor once
+    the backward that read it has run. The ``@ v`` matmul's backward makes the probabilities'
+    gradient, then releases what it kept (the cast, or the dropout's output); the dropout's
+    multiply the input's gradient, then releases the noise; the cast's backward the fp32 copy; the
+    softmax backward its input's fp32 gradient, then releases its output; then the cast back, the
+    soft-capping's three steps (releasing tanh's output) and the scale each make a gradient as
+    large as the scores and free the one before, and ``q @ kᵀ``'s backward reads the last."""
+    upcast = a < FP32_BYTES
+    out: list[tuple[int, int]] = [(-21, a)]
+    if dropout:
+        out.append((-11, 0))  # the @ v matmul kept the dropout's output
+    elif upcast:
+        out.append((-9, 0))  # ... or the cast back
+    current = -21
+    if dropout:  # * noise: the input's gradient; the noise and the output's gradient go
+        out += [(-22, a), (current, 0), (-10, 0)]
+        current = -22
+    if upcast:  # the cast's backward: the gradient's fp32 copy
+        out += [(-23, FP32_BYTES), (current, 0)]
+        current = -23
+    out += [(-24, FP32_BYTES), (current, 0), (-8, 0)]  # softmax backward; its output released
+    current = -24
+    following = [-25] if upcast else []  # the cast back to the scores' dtype
+    following += [-26, -27, -28] if softcap else []  # * cap, tanh, / cap
+    following.append(-29)  # the scale
+    for tensor in following:
+        out += [(tensor, a), (current, 0)]
+        if tensor == -27:
+            out.append((-4, 0))  # tanh's backward read its output
+        current = tensor
+    out.append((current, 0))  # q @ kᵀ's backward reads it
+    return tuple(out)

@@ -41,7 +41,12 @@ from enum import StrEnum
 from functools import cache, cached_property
 
 from sim.dtypes import INDEX_BYTES
-from sim.workload.eager_attention import eager_score_bytes, eager_score_saved_pieces
+from sim.workload.eager_attention import (
+    eager_score_backward_requests,
+    eager_score_bytes,
+    eager_score_requests,
+    eager_score_saved_pieces,
+)
 from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
 from sim.workload.options import LossKernel, NormKernel
 
@@ -168,6 +173,11 @@ def figure_tensors(owner: object, figure: str) -> tuple[int, ...]:
     return (nbytes,) if nbytes > 0 else ()
 
 
+# a forward request (``DescribedOp.forward_requests``): (tensor, bytes), bytes > 0 made and freed by
+# the forward, < 0 made and kept for backward, 0 the tensor's free
+Request = tuple[int, int]
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerOp:
     """One piece of the forward pass, in execution order.
@@ -201,6 +211,14 @@ class LayerOp:
     forward_transient_pieces: tuple[int, ...] = ()
     backward_transient_pieces: tuple[int, ...] = ()
     checkpointed_forward_pieces: tuple[int, ...] = ()
+    # the order of its forward's allocations and frees (``Request``s), and where its block is
+    # checkpointed; None: not known (the analytic ops), the figures' tensors then serve
+    forward_requests: tuple[Request, ...] | None = None
+    checkpointed_forward_requests: tuple[Request, ...] | None = None
+    # the attention kernel's backward as it makes and frees its tensors and releases those its
+    # forward kept (``attention_kernel_backward_requests``), where its part of
+    # ``backward_transient_pieces`` is their last piece; None: that piece stays one tensor
+    kernel_backward_requests: tuple[Request, ...] | None = None
     gemm: tuple[int, int, int] | None = None  # (M, N, K) of a linear's forward matmul
     # several matmuls in one op, each (M, N, K, count): grouped expert matmuls, a LoRA linear
     grouped_gemms: tuple[tuple[int, int, int, int], ...] = ()
@@ -483,6 +501,65 @@ def attention_saved_pieces(
     kv = (t_kv * shape.kv_heads * shape.head_dim * a, t_kv * shape.kv_heads * dv * a)
     bias = (_fused_bias_bytes(shape, a)[0],) if shape.bias else ()
     return (q, *kv), (t * shape.heads * FP32_BYTES, *bias), out
+
+
+# the first number the attention kernel's own tensors take (counting down, apart from the model's
+# storages and from the eager per-score table's -1, -2, ...)
+KERNEL_TENSOR_IDS = -100
+
+
+def attention_kernel_requests(
+    shape: AttentionShape, w: Workload, *, output_saved: bool = True
+) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
+    """The order in which the attention kernel makes its own tensors in forward (those of
+    ``attention_saved_pieces``' second and third parts; q, k and v are the model's, which the
+    trace marks kept), and the same where its block is checkpointed (all freed once it has run).
+    Eager: ``repeat_kv``'s copies where there are fewer key/value heads, the s² tensors op by op
+    (``eager_score_requests``), then the ``@ v`` matmul's output before its contiguous copy; a
+    fused kernel its log-sum-exp (and bias); the math path its saved block (the output in it)
+    and its low-precision copy. The output where the kernel counts it, kept, last."""
+    a, dv = w.act_bytes, shape.v_head_dim or shape.head_dim
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    out_bytes = t * shape.heads * dv * a
+    ids = iter(range(KERNEL_TENSOR_IDS, KERNEL_TENSOR_IDS - 100, -1))
+    requests: list[Request] = []
+    if w.attention_kernel == "eager":
+        if shape.kv_heads < shape.heads:
+            requests += [(next(ids), -t_kv * shape.heads * shape.head_dim * a), (next(ids), -t_kv * shape.heads * dv * a)]
+        scores = t * shape.heads * shape.kv_len
+        per = eager_score_requests(a, softcap=shape.softcap, dropout=shape.dropout > 0)
+        requests += [(i, n * scores) for i, n in per]
+        before_copy = next(ids)
+        requests += [(before_copy, out_bytes), (before_copy, 0)]
+    elif w.attention_kernel == "math":  # one saved block (its output included), as its figures
+        saved, copy, _ = _math_figures(shape, w, output_saved)
+        requests.append((next(ids), -saved))
+        if copy:
+            low = next(ids)
+            requests += [(low, copy), (low, 0)]
+        output_saved = False
+    else:
+        requests.append((next(ids), -t * shape.heads * FP32_BYTES))
+        if shape.bias:
+            requests.append((next(ids), -_fused_bias_bytes(shape, a)[0]))
+    if output_saved:
+        requests.append((next(ids), -out_bytes))
+    made = [i for i, n in requests if n != 0]
+    freed = {i for i, n in requests if n == 0}
+    checkpointed = [(i, abs(n)) if n else (i, 0) for i, n in requests]
+    checkpointed += [(i, 0) for i in made if i not in freed]
+    return tuple(requests), tuple(checkpointed)
+
+
+def attention_kernel_backward_requests(shape: AttentionShape, w: Workload) -> tuple[Request, ...] | None:
+    """The eager attention's backward as it makes and frees its s² gradients and releases the s²
+    tensors its forward kept (``eager_score_backward_requests``, the forward's numbers); None for
+    a fused kernel or the math path, whose backward transient stays one block."""
+    if w.attention_kernel != "eager":
+        return None
+    scores = shape.batch * shape.seq_len * shape.heads * shape.kv_len
+    per = eager_score_backward_requests(w.act_bytes, softcap=shape.softcap, dropout=shape.dropout > 0)
+    return tuple((tensor, n * scores) for tensor, n in per)
 
 
 def attention_kernel_figures(
