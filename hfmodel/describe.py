@@ -205,7 +205,10 @@ def _trace(
             tracer.backward = True
             loss.backward()
         grads = {tracer_key(p.grad) for p in params if p.grad is not None}
-        kernel_inputs = frozenset(uid for call in probe.inputs for uid, _, _ in call if uid is not None)
+        kernel_inputs: dict[int, frozenset[int]] = {}
+        for op, call in zip(probe.ops, probe.inputs, strict=True):
+            uids = {uid for uid, _, _ in call if uid is not None}
+            kernel_inputs[op] = kernel_inputs.get(op, frozenset()) | uids
         finish(tracer, grads, block_of=lambda op: owner_block(op, blocks), kernel_inputs=kernel_inputs)
         owners.remove()
         # whether autograd keeps each call's output anyway (a trainable projection after it saves

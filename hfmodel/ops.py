@@ -75,10 +75,12 @@ def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[st
     host, launches, after_head, call_iter = 0, [0, 0], False, iter(calls)
     requests: list[list[int]] = []
     checkpointed_requests: list[list[int]] = []
+    backward_requests: list[list[int]] = []
     for op in ops:
         host += op.host_ops
         requests += [list(r) for r in op.forward_requests]
         checkpointed_requests += [list(r) for r in op.checkpointed_forward_requests]
+        backward_requests += [list(r) for r in op.backward_requests]
         launches = [launches[0] + op.forward_launches, launches[1] + op.backward_launches]
         waiting.append(op.index)
         kind = _kind(op, direct_3d, after_head)
@@ -112,11 +114,13 @@ def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[st
                 "backward_launches": launches[1],
                 "forward_requests": requests,
                 "checkpointed_forward_requests": checkpointed_requests,
+                "backward_requests": backward_requests,
             }
         )
         sources.append(op)
         entry_of.update((i, len(out) - 1) for i in waiting)
-        host, launches, waiting, requests, checkpointed_requests = 0, [0, 0], [], [], []
+        host, launches, waiting = 0, [0, 0], []
+        requests, checkpointed_requests, backward_requests = [], [], []
     for entry, op in zip(out, sources, strict=True):
         entry["saved_released_ahead"] = _released_ahead(op, entry_of)
     return out

@@ -83,6 +83,7 @@ class ProbeRecorder:
         self.inputs: list[list[tuple[int | None, int, int]]] = []
         # each call's tracer step when its backward began (None: it never ran backward)
         self.backward_steps: list[int | None] = []
+        self.ops: list[int] = []  # each call's op (the tracer's index)
 
     def attention(
         self,
@@ -125,6 +126,7 @@ class ProbeRecorder:
             out = _Empty.apply(query, key, value, bias, self._backward_marker(len(self.backward_steps)))
             self.backward_steps.append(None)
             self.outputs.append(self.tracer.uid_of(out))
+            self.ops.append(self.tracer.ops[-1].index if self.tracer.ops else 0)
             if out.grad_fn is not None and self.tracer.ops:
                 self.tracer.node_op[out.grad_fn] = self.tracer.ops[-1].index
         finally:

@@ -36,10 +36,13 @@ probe's q, k and v), 0 the free of ``storage`` (made by this op or an earlier on
 outputs are made before what it was the last to use is dropped. ``checkpointed_forward_requests``
 (block ops): the same where the block is checkpointed, a saved storage dropped where
 ``checkpointed_forward_bytes`` drops it. The caching allocator's replay serves a segment's forward
-in this order (``sim.costs.compute.request_order``).
+in this order (``sim.costs.compute.request_order``). ``backward_requests``: the same for the
+op's backward (the storages it makes, parameter gradients among them, which live past it, and
+their frees), with the release of each kept forward storage where the backward drops it (the
+attention probe's q, k and v as its backward ends: the kernel reads them to its end).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +94,7 @@ class OpRecord:
     # the order of its forward's allocations and frees (see the module docstring)
     forward_requests: list[tuple[int, int]] = field(default_factory=list)
     checkpointed_forward_requests: list[tuple[int, int]] = field(default_factory=list)
+    backward_requests: list[tuple[int, int]] = field(default_factory=list)
     gemms: list[tuple[int, int, int, int]] = field(default_factory=list)
     aten_ops: list[int] = field(default_factory=list)  # global forward op indices
     backward_ops: list[int] = field(default_factory=list)
@@ -435,10 +439,10 @@ def finish(
     tracer: Tracer,
     param_grad_keys: set[int],
     block_of: Callable[[OpRecord], int | None] | None = None,
-    kernel_inputs: frozenset[int] = frozenset(),
+    kernel_inputs: Mapping[int, frozenset[int]] | None = None,
 ) -> None:
     """Saved bytes and transients of every op, from the storages' recorded lives, and its order of
-    requests (``kernel_inputs``: the storages the attention probe was handed, which the kernel
+    requests (``kernel_inputs``: per probe op, the storages it was handed, which the kernel
     keeps); with ``block_of`` (the block an op runs in) also each block op's
     ``checkpointed_forward_bytes`` and requests."""
     tracer._sweep()
@@ -460,12 +464,36 @@ def finish(
     for o in tracer.ops:
         o.forward_transient_bytes, o.forward_transient_pieces = fwd[o.index]
         o.backward_transient_bytes, o.backward_transient_pieces = bwd[o.index]
-    kept = tracer.saved | kernel_inputs
+    inputs = kernel_inputs or {}
+    kept = tracer.saved.union(*inputs.values())
     ends = {uid: died for uid, _, _, died, _, in_backward, _ in tracer.storages if not in_backward}
     for o, requests in zip(tracer.ops, _requests(tracer, kept, ends), strict=True):
         o.forward_requests = requests
+    for o, requests in zip(tracer.ops, _backward_requests(tracer, kept), strict=True):
+        # the kernel's inputs nothing else saves, released as its backward ends
+        o.backward_requests = requests + [(uid, 0) for uid in sorted(inputs.get(o.index, ())) if uid not in tracer.saved]
     if block_of is not None:
         _checkpointed_forward(tracer, block_of)
+
+
+def _backward_requests(tracer: Tracer, kept: set[int]) -> list[list[tuple[int, int]]]:
+    """Each op's backward requests (see the module docstring): every storage its backward makes,
+    freed after the step it dies (never: a parameter's gradient), and the kept forward storages
+    dropped at its steps."""
+    op_of = {step: o.index for o in tracer.ops for step in o.backward_ops}
+    events: list[tuple[int, int, int, int]] = []  # (step, 0 made / 1 freed, uid, bytes)
+    for uid, nbytes, created, died, _, in_backward, _ in tracer.storages:
+        if nbytes <= 0:
+            continue
+        if in_backward:
+            events.append((created, 0, uid, nbytes))
+        if died is not None and (in_backward or uid in kept):
+            events.append((died, 1, uid, 0))
+    out: list[list[tuple[int, int]]] = [[] for _ in tracer.ops]
+    for step, _, uid, nbytes in sorted(events):
+        if step in op_of:
+            out[op_of[step]].append((uid, nbytes))
+    return out
 
 
 def _requests(tracer: Tracer, kept: set[int] | frozenset[int], ends: dict[int, int | None]) -> list[list[tuple[int, int]]]:

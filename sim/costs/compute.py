@@ -135,8 +135,7 @@ class SegmentFigures:
     # not known, the tensors above then serve
     forward_order: RequestOrder | None = None
     checkpointed_forward_order: RequestOrder | None = None
-    # the backward transient's, where its peak is an attention kernel's that knows its order
-    # (``backward_order``): served in place of ``backward_transient_pieces``
+    # the backward's (``backward_order``): served in place of the backward transient's tensors
     backward_order: RequestOrder | None = None
     # each op's backward, in forward order (``BackwardStep``); empty: the segment's transient only
     backward_steps: tuple[BackwardStep, ...] = ()
@@ -315,16 +314,9 @@ class ComputeCosts:
                     later_grad_numels=tuple(n for later in trainable[j + 1 :] for n in later),
                 )
             )
-        peak_at = max(range(len(steps)), key=lambda j: steps[j].beyond_saved_bytes, default=None)
-        peak_step = None if peak_at is None else steps[peak_at]
+        peak_step = max(steps, key=lambda st: st.beyond_saved_bytes, default=None)
         backward_transient = max(0, peak_step.beyond_saved_bytes) if peak_step else 0
         backward_pieces = peak_step.pieces if peak_step else ()
-        kernel_backward = None
-        if peak_at is not None and backward_pieces and seg.ops[peak_at].kernel_backward_requests is not None:
-            tensors = seg.ops[peak_at].tensors("backward_transient")  # the kernel's is the last
-            if len(backward_pieces) >= len(tensors):  # not cut away where later saves hold it
-                model_pieces = backward_pieces[: len(tensors) - 1] + backward_pieces[len(tensors) :]
-                kernel_backward = backward_order(seg.ops, peak_at, model_pieces)
         checkpointed = _checkpointed_forward_op(seg.ops)
 
         return SegmentFigures(
@@ -365,7 +357,7 @@ class ComputeCosts:
             checkpointed_forward_order=request_order(seg.ops, "checkpointed_forward", all_kept=True)
             if measured
             else None,
-            backward_order=kernel_backward,
+            backward_order=backward_order(seg.ops) if measured else None,
         )
 
     def copy_s(self, nbytes: float) -> float:
@@ -423,31 +415,31 @@ def _joined_order(
     return RequestOrder(events=tuple(events), kept=tuple(kept)), kept_at
 
 
-def backward_order(
-    ops: Sequence[LayerOp], at: int, model_pieces: tuple[int, ...]
-) -> RequestOrder | None:
-    """The backward transient's requests where it peaks at op ``at`` and that op's attention kernel
-    knows its own order (``LayerOp.kernel_backward_requests``): the model's tensors of the peak
-    (``model_pieces``, live to the end), then the kernel's gradients as it makes and frees them,
-    releasing the s² tensors the forward kept (positions in the forward's order,
-    ``_joined_order``). None where the forward's order is not known."""
-    kernel = ops[at].kernel_backward_requests
+def backward_order(ops: Sequence[LayerOp]) -> RequestOrder | None:
+    """The segment's backward as the caching allocator is asked for it: its ops' backwards in
+    reverse order, each its ``backward_requests`` (what it makes, freed where it dies, live to the
+    segment's end otherwise: the input's gradient for the segment before, the parameters'), with
+    the tensors the forward kept released where the backward drops them (their positions in the
+    forward's order, ``_joined_order``; a kept storage of another segment goes with that one's
+    buffer). None where an op's orders are not known."""
     joined = _joined_order(ops, "forward")
-    if kernel is None or joined is None:
+    if joined is None or any(op.backward_requests is None for op in ops):
         return None
     kept_at = joined[1]
-    events = list(model_pieces)
-    made = len(events)  # requests so far
-    index: dict[int, int] = {}
+    events: list[int] = []
+    index: dict[object, int] = {}
     releases: list[tuple[int, int]] = []
-    for tensor, nbytes in kernel:
-        if nbytes:
-            index[tensor], made = made, made + 1
-            events.append(nbytes)
-        elif tensor in index:
-            events.append(-index.pop(tensor))
-        else:
-            releases.append((len(events), kept_at[_tensor_key(at, tensor)]))
+    made = 0
+    for position in reversed(range(len(ops))):
+        for tensor, nbytes in ops[position].backward_requests or ():
+            key = _tensor_key(position, tensor)
+            if nbytes:
+                index[key], made = made, made + 1
+                events.append(nbytes)
+            elif key in index:
+                events.append(-index.pop(key))
+            elif key in kept_at:
+                releases.append((len(events), kept_at.pop(key)))
     return RequestOrder(events=tuple(events), kept=(True,) * made, releases=tuple(releases))
 
 

@@ -586,7 +586,7 @@ class ScheduleBuilder:
                     category=MemoryCategory.OTHER,
                     bytes=held_bytes,
                     pieces=held_pieces,
-                    order=self._backward_order(i, consumed, held_pieces),
+                    order=self._backward_order(i, consumed),
                 ),
             ),
             frees=tuple(frees),
@@ -595,17 +595,15 @@ class ScheduleBuilder:
             launches=fig.backward_launches,
         )
 
-    def _backward_order(self, i: int, consumed: str, held_pieces: tuple[int, ...]) -> RequestOrder | None:
+    def _backward_order(self, i: int, consumed: str) -> RequestOrder | None:
         """Segment ``i``'s backward order (``SegmentFigures.backward_order``), releasing tensors of
         ``consumed``: where the segment's activations were served in the forward's order (its
-        forward, or its block's recompute, not op-level SAC's partial one) and the peak is the
-        transient's own (no gradients of later ops above it)."""
+        forward, or its block's recompute, not op-level SAC's partial one)."""
         cfg, fig = self.cfg, self.cfg.figures[i]
         if (
             fig.backward_order is None
             or fig.forward_order is None
             or fig.saved_bytes <= 0
-            or held_pieces != fig.tensors("backward_transient")
             or (self.checkpointed(i) and cfg.checkpoint.selective_op)
         ):
             return None

@@ -84,9 +84,7 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
     # the kernel's own tensors before the probe's (its output), which the kernel makes last
     kernel, kernel_checkpointed = attention_kernel_requests(shape, w, output_saved=not a.output_counted)
     given = _given_bytes(shape, w, not a.output_counted)
-    backward_pieces = _joined(base.backward_transient_bytes, base.backward_transient_pieces, bwd)
-    # the kernel's part of the backward transient is its last piece: its own order replaces it
-    kernel_backward = attention_kernel_backward_requests(shape, w) if bwd > 0 and backward_pieces else None
+    kernel_backward = attention_kernel_backward_requests(shape, w, output_saved=not a.output_counted)
     # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)
     backward_flops = None if base.backward_flops is None else base.backward_flops + 2.0 * flops
     return LayerOp(
@@ -113,8 +111,8 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
             fwd,
         ),
         backward_transient_bytes=base.backward_transient_bytes + bwd,
-        backward_transient_pieces=backward_pieces,
-        kernel_backward_requests=kernel_backward,
+        backward_transient_pieces=_joined(base.backward_transient_bytes, base.backward_transient_pieces, bwd),
+        backward_requests=None if base.backward_requests is None else (*kernel_backward, *base.backward_requests),
         forward_requests=None if base.forward_requests is None else (*kernel, *base.forward_requests),
         checkpointed_forward_requests=None
         if base.checkpointed_forward_requests is None
@@ -171,12 +169,11 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
     if op.module.endswith(".base_layer") and op.gemm is not None:
         moved += 2 * op.gemm[0] * op.gemm[1] * a
     forward_pieces = [dequant_transient_bytes(n, a, dq, backward=False) for n in numels]
-    # each weight dequantized as the op starts, freed as it ends (tensors numbered apart)
-    made = tuple((DEQUANT_TENSOR_IDS - k, n) for k, n in enumerate(forward_pieces))
-    freed = tuple((i, 0) for i, _ in made)
 
-    def around(requests: tuple[Request, ...] | None) -> tuple[Request, ...] | None:
-        return None if requests is None else (*made, *requests, *freed)
+    def around(requests: tuple[Request, ...] | None, pieces: list[int]) -> tuple[Request, ...] | None:
+        """Each weight dequantized as the op (or its backward) starts, freed as it ends."""
+        made = tuple((DEQUANT_TENSOR_IDS - k, n) for k, n in enumerate(pieces))
+        return None if requests is None else (*made, *requests, *((i, 0) for i, _ in made))
 
     backward_pieces = [dequant_transient_bytes(n, a, dq, backward=True) for n in numels] if backward else []
     forward_dequant = sum(forward_pieces)
@@ -193,8 +190,9 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
         checkpointed_forward_pieces=_joined(
             op.checkpointed_forward_bytes, op.checkpointed_forward_pieces, *forward_pieces
         ),
-        forward_requests=around(op.forward_requests),
-        checkpointed_forward_requests=around(op.checkpointed_forward_requests),
+        forward_requests=around(op.forward_requests, forward_pieces),
+        checkpointed_forward_requests=around(op.checkpointed_forward_requests, forward_pieces),
+        backward_requests=around(op.backward_requests, backward_pieces),
         backward_memory_bytes=(op.backward_memory_bytes or 0.0) + (moved if backward else 0.0),
         backward_transient_bytes=op.backward_transient_bytes + sum(backward_pieces),
         backward_transient_pieces=_joined(
@@ -225,6 +223,7 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, masks: 
         checkpointed_forward_pieces=op.checkpointed_forward_pieces if op.block is not None else (),
         forward_requests=op.forward_requests,
         checkpointed_forward_requests=op.checkpointed_forward_requests if op.block is not None else None,
+        backward_requests=op.backward_requests,
         gemm=op.gemms[0][:3] if single else None,
         grouped_gemms=() if single else op.gemms,
         host_ops=op.host_ops,

@@ -35,7 +35,8 @@ from sim.workload.params import ParamSpec
 # ``backward_start_bytes``; 7: block ops' ``checkpointed_forward_bytes``; 8: every byte figure's
 # tensors (``saved_pieces``, ``forward_transient_pieces``, ``checkpointed_forward_pieces``,
 # ``backward_transient_pieces``); 9: ops' ``saved_released_ahead``; 10: ops' ``forward_launches``
-# and ``backward_launches``; 11: ops' ``forward_requests`` and ``checkpointed_forward_requests``
+# and ``backward_launches``; 11: ops' ``forward_requests``, ``checkpointed_forward_requests`` and
+# ``backward_requests``
 DESCRIPTION_VERSION = 11
 GEMM_FIELDS = 4  # (M, N, K, count)
 
@@ -90,9 +91,11 @@ class DescribedOp:
     backward_transient_pieces: tuple[int, ...] = ()
     # its forward's allocations and frees in order, as (storage, bytes): bytes > 0 a storage the
     # forward frees, < 0 one kept for backward, 0 the free of the storage (``hfmodel.trace``);
-    # and where its block is checkpointed (nothing kept)
+    # and where its block is checkpointed (nothing kept); its backward's, where a free of a kept
+    # forward storage is its release
     forward_requests: tuple[tuple[int, int], ...] = ()
     checkpointed_forward_requests: tuple[tuple[int, int], ...] = ()
+    backward_requests: tuple[tuple[int, int], ...] = ()
     gemms: tuple[tuple[int, int, int, int], ...] = ()
     attention: AttentionCall | None = None
     host_ops: int = 0
@@ -190,7 +193,7 @@ def _pieces(r: "_Reader", figure: str, where: str) -> tuple[int, ...]:
 
 
 def _requests(r: "_Reader", key: str, where: str) -> tuple[tuple[int, int], ...]:
-    """``forward_requests`` and ``checkpointed_forward_requests``: [storage, bytes] pairs of
+    """``forward_requests``, ``checkpointed_forward_requests``, ``backward_requests``: [storage, bytes] pairs of
     integers (bytes signed: made and freed, made and kept, or 0: freed)."""
     raw = r.get(key, list)
     if not all(
@@ -258,6 +261,7 @@ def _op(raw: Any, where: str) -> DescribedOp:
         },
         forward_requests=_requests(r, "forward_requests", where),
         checkpointed_forward_requests=_requests(r, "checkpointed_forward_requests", where),
+        backward_requests=_requests(r, "backward_requests", where),
         gemms=_gemms(r.get("gemms", list), where),
         attention=call,
         host_ops=r.get("host_ops", int),

@@ -215,10 +215,10 @@ class LayerOp:
     # checkpointed; None: not known (the analytic ops), the figures' tensors then serve
     forward_requests: tuple[Request, ...] | None = None
     checkpointed_forward_requests: tuple[Request, ...] | None = None
-    # the attention kernel's backward as it makes and frees its tensors and releases those its
-    # forward kept (``attention_kernel_backward_requests``), where its part of
-    # ``backward_transient_pieces`` is their last piece; None: that piece stays one tensor
-    kernel_backward_requests: tuple[Request, ...] | None = None
+    # its backward's requests: what it makes and frees, a free of a tensor its forward kept (or
+    # of a kept storage an earlier op made) that tensor's release; an attention op's begins with
+    # its kernel's (``attention_kernel_backward_requests``)
+    backward_requests: tuple[Request, ...] | None = None
     gemm: tuple[int, int, int] | None = None  # (M, N, K) of a linear's forward matmul
     # several matmuls in one op, each (M, N, K, count): grouped expert matmuls, a LoRA linear
     grouped_gemms: tuple[tuple[int, int, int, int], ...] = ()
@@ -551,15 +551,32 @@ def attention_kernel_requests(
     return tuple(requests), tuple(checkpointed)
 
 
-def attention_kernel_backward_requests(shape: AttentionShape, w: Workload) -> tuple[Request, ...] | None:
-    """The eager attention's backward as it makes and frees its s² gradients and releases the s²
-    tensors its forward kept (``eager_score_backward_requests``, the forward's numbers); None for
-    a fused kernel or the math path, whose backward transient stays one block."""
-    if w.attention_kernel != "eager":
-        return None
-    scores = shape.batch * shape.seq_len * shape.heads * shape.kv_len
-    per = eager_score_backward_requests(w.act_bytes, softcap=shape.softcap, dropout=shape.dropout > 0)
-    return tuple((tensor, n * scores) for tensor, n in per)
+def attention_kernel_backward_requests(
+    shape: AttentionShape, w: Workload, *, output_saved: bool = True
+) -> tuple[Request, ...]:
+    """The attention kernel's backward as it makes and frees its own gradients, releasing the
+    tensors its forward kept (``attention_kernel_requests``' numbers) once it has read them: the
+    eager path op by op (``eager_score_backward_requests``), a fused kernel its fp32 dq
+    accumulator, the math path its transient, each as one tensor; what is kept and not yet
+    released goes as it ends."""
+    forward, _ = attention_kernel_requests(shape, w, output_saved=output_saved)
+    out: list[Request] = []
+    if w.attention_kernel == "eager":
+        scores = shape.batch * shape.seq_len * shape.heads * shape.kv_len
+        per = eager_score_backward_requests(w.act_bytes, softcap=shape.softcap, dropout=shape.dropout > 0)
+        out += [(tensor, n * scores) for tensor, n in per]
+    else:
+        t = shape.batch * shape.seq_len
+        transient = (
+            _math_figures(shape, w, output_saved)[2]
+            if w.attention_kernel == "math"
+            else t * shape.heads * shape.head_dim * FP32_BYTES
+        )
+        own = KERNEL_TENSOR_IDS - 50
+        out += [(own, transient), (own, 0)] if transient else []
+    released = {tensor for tensor, n in out if n == 0}
+    out += [(tensor, 0) for tensor, n in forward if n < 0 and tensor not in released]
+    return tuple(out)
 
 
 def attention_kernel_figures(
