@@ -471,7 +471,9 @@ def finish(
         o.forward_requests = requests
     for o, requests in zip(tracer.ops, _backward_requests(tracer, kept), strict=True):
         # the kernel's inputs nothing else saves, released as its backward ends
-        o.backward_requests = requests + [(uid, 0) for uid in sorted(inputs.get(o.index, ())) if uid not in tracer.saved]
+        o.backward_requests = requests + [
+            (uid, 0) for uid in sorted(inputs.get(o.index, ())) if uid not in tracer.saved
+        ]
     if block_of is not None:
         _checkpointed_forward(tracer, block_of)
 
@@ -496,7 +498,9 @@ def _backward_requests(tracer: Tracer, kept: set[int]) -> list[list[tuple[int, i
     return out
 
 
-def _requests(tracer: Tracer, kept: set[int] | frozenset[int], ends: dict[int, int | None]) -> list[list[tuple[int, int]]]:
+def _requests(
+    tracer: Tracer, kept: set[int] | frozenset[int], ends: dict[int, int | None]
+) -> list[list[tuple[int, int]]]:
     """Each op's forward requests (see the module docstring): every forward storage made at its
     step (``bytes`` < 0 where in ``kept``), and freed after the step ``ends`` gives it (None, a
     backward step, or kept: not in the forward)."""

@@ -249,7 +249,7 @@ def test_a_record_seen_at_the_host_keeps_every_other_field() -> None:
     """``MemoryRecord.seen_at`` is ``dataclasses.replace(rec, host_s=...)``, field for field."""
     from dataclasses import fields, replace
 
-    from sim.core.events import MemoryCategory, MemoryRecord, Stream
+    from sim.core.events import MemoryCategory, MemoryRecord, RequestOrder, Stream
 
     rec = MemoryRecord(
         rank=3,
@@ -259,6 +259,7 @@ def test_a_record_seen_at_the_host_keeps_every_other_field() -> None:
         label="x",
         stream=Stream.REDUCE_SCATTER,
         pieces=(3, 4),
+        order=RequestOrder(events=(3, 4, -0), kept=(True, False), partner="y"),
         host_s=0.25,
         resident=True,
         carried=True,
@@ -271,6 +272,7 @@ def test_a_record_seen_at_the_host_keeps_every_other_field() -> None:
         "label",
         "stream",
         "pieces",
+        "order",
         "host_s",
         "resident",
         "carried",

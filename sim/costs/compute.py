@@ -125,7 +125,7 @@ class SegmentFigures:
     # for described models, ``LayerOp.checkpointed_forward_bytes``); None: saved + transient
     checkpointed_forward_bytes: int | None = None
     # the tensors of the byte figures, in allocation order, where the ops know them (empty: one
-    # block); the caching allocator's replay serves them one by one
+    # block); the caching allocator's replay serves them one by one where no order is known
     saved_pieces: tuple[int, ...] = ()
     forward_transient_pieces: tuple[int, ...] = ()
     backward_transient_pieces: tuple[int, ...] = ()
@@ -407,8 +407,8 @@ def _joined_order(
             if nbytes:
                 index[key] = len(kept)
                 events.append(abs(nbytes))
-                if nbytes < 0:
-                    kept_at[key] = sum(kept)
+                if nbytes < 0:  # its place among those the buffer keeps (none is freed here)
+                    kept_at[key] = len(kept_at)
                 kept.append(all_kept or nbytes < 0)
             elif key in index:
                 events.append(-index.pop(key))

@@ -14,8 +14,11 @@ The replay follows the allocator's rules:
   (``release_cached_blocks``), as the allocator does before raising out-of-memory.
 The step measured is a steady state's (``steady_state_replay``): the second of two, which starts
 with the first one's segments and with the buffers it left (a kept output) where it put them.
-A buffer the schedule knows as several tensors (``MemoryRecord.pieces``: a segment's saved
-activations, an op's temporaries) is served tensor by tensor, in order, and freed together.
+A buffer whose op's order of requests is known (``MemoryRecord.order``: a segment's forward, its
+saved activations and transient together, and its backward) is served in that order: each tensor
+requested, freed and, in backward, released from the activations it consumes where the program
+does. Else a buffer the schedule knows as several tensors (``MemoryRecord.pieces``) is served
+tensor by tensor, in order, and freed together.
 With ``expandable_segments`` a pool grows in pages (2 MiB small, 20 MiB large) and gives back
 nothing: the reserved bytes of a pool are its live bytes rounded up to whole pages.
 
@@ -235,12 +238,15 @@ def _serve_order(allocator: CachingAllocator, rec: MemoryRecord, served: Served,
             assert block is not None, f"{rec.label}: request {-event} freed twice"
             allocator.give_back(block)
             blocks[-event] = None
-    own = [b for b, k in zip(blocks, order.kept, strict=True) if b is not None and (k or not order.partner)]
+    own: list[Block | None] = [
+        b for b, k in zip(blocks, order.kept, strict=True) if b is not None and (k or not order.partner)
+    ]
     served[rec.label + suffix] = own
     if order.partner:
-        served[order.partner + suffix] = [
+        partner: list[Block | None] = [
             b for b, k in zip(blocks, order.kept, strict=True) if b is not None and not k
         ]
+        served[order.partner + suffix] = partner
 
 
 def release(allocator: CachingAllocator, served: Served, label: str) -> None:

@@ -112,7 +112,9 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
         ),
         backward_transient_bytes=base.backward_transient_bytes + bwd,
         backward_transient_pieces=_joined(base.backward_transient_bytes, base.backward_transient_pieces, bwd),
-        backward_requests=None if base.backward_requests is None else (*kernel_backward, *base.backward_requests),
+        backward_requests=None
+        if base.backward_requests is None
+        else (*kernel_backward, *base.backward_requests),
         forward_requests=None if base.forward_requests is None else (*kernel, *base.forward_requests),
         checkpointed_forward_requests=None
         if base.checkpointed_forward_requests is None

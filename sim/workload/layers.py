@@ -525,7 +525,10 @@ def attention_kernel_requests(
     requests: list[Request] = []
     if w.attention_kernel == "eager":
         if shape.kv_heads < shape.heads:
-            requests += [(next(ids), -t_kv * shape.heads * shape.head_dim * a), (next(ids), -t_kv * shape.heads * dv * a)]
+            requests += [
+                (next(ids), -t_kv * shape.heads * shape.head_dim * a),
+                (next(ids), -t_kv * shape.heads * dv * a),
+            ]
         scores = t * shape.heads * shape.kv_len
         per = eager_score_requests(a, softcap=shape.softcap, dropout=shape.dropout > 0)
         requests += [(i, n * scores) for i, n in per]
