@@ -364,13 +364,16 @@ def _fsdp1_init_text(runs: list[PublishedMemoryRun]) -> str:
 def _against_real_sequence(runs: list[PublishedMemoryRun]) -> str:
     """The simulated peak reserved against the real sequence's replay, in the rows whose replay is
     the whole of their reserved (LoRA: no blocks held back for the device)."""
-    rows = [r for r in runs if r.replayed_reserved_bytes and r.allocated_gib is None]
+    pairs = [
+        (build_report(_simulated(r)).peak_reserved_bytes, r.replayed_reserved_bytes)
+        for r in runs
+        if r.replayed_reserved_bytes and r.allocated_gib is None
+    ]
     return (
         ", ".join(
-            f"{build_report(_simulated(r)).peak_reserved_bytes / GIB:.2f} against "
-            f"{r.replayed_reserved_bytes / GIB:.2f} GiB "
-            f"({build_report(_simulated(r)).peak_reserved_bytes / r.replayed_reserved_bytes - 1:+.1%})"
-            for r in rows
+            f"{predicted / GIB:.2f} against {replayed / GIB:.2f} GiB ({predicted / replayed - 1:+.1%})"
+            for predicted, replayed in pairs
+            if replayed
         )
         + " (predicted against the replay, the rows in order),"
     )
