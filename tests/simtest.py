@@ -29,6 +29,24 @@ def make_scenario(**sections: dict[str, Any]) -> Scenario:
     return scenario_from_dict(data, "test-scenario")
 
 
+def elementwise_op(name: str, **fields: Any) -> Any:
+    """A ``LayerOp`` of no FLOPs and no parameters (an elementwise op of block 0), with ``fields``
+    (its saved bytes, its orders of requests) set over it."""
+    from sim.workload.layers import LayerKind, LayerOp
+
+    base: dict[str, Any] = {
+        "name": name,
+        "module": name,
+        "kind": LayerKind.ELEMENTWISE,
+        "block": 0,
+        "params": (),
+        "flops": 0.0,
+        "memory_bytes": 0.0,
+        "saved_bytes": 0,
+    }
+    return LayerOp(**(base | fields))
+
+
 def make_profile(
     *,
     overlap: bool = True,

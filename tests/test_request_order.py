@@ -3,6 +3,7 @@ the tracer's per-op requests, the eager attention's own, a segment's ``RequestOr
 caching allocator's replay of it."""
 
 import pytest
+from simtest import elementwise_op
 
 from sim.core.events import MemoryCategory, MemoryRecord, RequestOrder, Stream
 from sim.costs.compute import backward_order, request_order
@@ -15,7 +16,6 @@ from sim.workload.eager_attention import (
 )
 from sim.workload.layers import (
     AttentionShape,
-    LayerKind,
     LayerOp,
     Workload,
     attention_kernel_backward_requests,
@@ -142,18 +142,7 @@ def test_the_kernels_backward_releases_all_its_forward_kept(kernel: str) -> None
 
 
 def _op(name: str, requests: tuple[tuple[int, int], ...] | None, backward=None) -> LayerOp:  # type: ignore[no-untyped-def]
-    return LayerOp(
-        name=name,
-        module=name,
-        kind=LayerKind.ELEMENTWISE,
-        block=0,
-        params=(),
-        flops=0.0,
-        memory_bytes=0.0,
-        saved_bytes=0,
-        forward_requests=requests,
-        backward_requests=backward,
-    )
+    return elementwise_op(name, forward_requests=requests, backward_requests=backward)
 
 
 def test_a_segments_order_joins_its_ops_requests() -> None:

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+from simtest import elementwise_op
 
 from sim.core.events import MemoryCategory, OpKind
 from sim.scenario.loader import load_scenario
@@ -131,21 +132,12 @@ def test_saves_are_freed_by_their_first_savers_backward() -> None:
     later ops' own saves, a save whose first saver is a later op of the segment from that op's
     backward on, and one whose first saver is in a later segment from the start."""
     from sim.costs.compute import ComputeCosts, Roofline
-    from sim.workload.layers import LayerKind, LayerOp
+    from sim.workload.layers import LayerOp
     from sim.workload.units import Segment
 
     def op(name: str, saved: int, transient: int, ahead: tuple[tuple[int, int], ...] = ()) -> LayerOp:
-        return LayerOp(
-            name=name,
-            module=name,
-            kind=LayerKind.ELEMENTWISE,
-            block=0,
-            params=(),
-            flops=0.0,
-            memory_bytes=0.0,
-            saved_bytes=saved,
-            saved_released_ahead=ahead,
-            backward_transient_bytes=transient,
+        return elementwise_op(
+            name, saved_bytes=saved, saved_released_ahead=ahead, backward_transient_bytes=transient
         )
 
     costs = ComputeCosts(
