@@ -3,7 +3,7 @@ each call's shape and returns an output of the right shape while saving nothing.
 
 What the attention kernel itself computes and keeps (q, k, v, the output and its log-sum-exp for
 a fused kernel; the s² scores on the math path) depends on the kernel the hardware runs, not on
-the model, so the simulator adds it per kernel (``sim.workload.layers.attention_op``); the probe
+the model, so the simulator adds it per kernel (``sim.workload.attention_kernel.attention_kernel_figures``); the probe
 lets the model's own work around it (projections, RoPE, q/k norms, the output copy) be measured
 without the CPU kernel's choices leaking in.
 

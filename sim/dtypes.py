@@ -22,6 +22,7 @@ DTYPE_ALIASES: dict[str, str] = {
 }
 
 INDEX_BYTES = 8  # token ids are int64 in torch
+FP32_BYTES = DTYPE_BYTES["fp32"]  # the fp32 internals (upcasts, log-sum-exp, accumulators) of any dtype
 
 
 def canonical_dtype(name: str) -> str:

@@ -13,7 +13,7 @@ from sim.core.events import EventTable, OpKind
 from sim.core.program import Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
 from sim.costs.collectives import CollectiveCost, collective_cost
-from sim.costs.compute import build_compute_costs
+from sim.costs.compute_build import build_compute_costs
 from sim.costs.offload import HostCosts
 from sim.dtypes import dtype_bytes
 from sim.errors import UserError
@@ -32,9 +32,10 @@ from sim.workload.checkpointing import block_input_bytes, checkpoint_plan, kv_ca
 from sim.workload.expert_parallel import expert_parallel_view, split_at_experts
 from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
-from sim.workload.layers import LayerOp, Workload, float_mask_bytes, model_buffer_bytes, output_logits_bytes
+from sim.workload.layers import LayerOp, float_mask_bytes, model_buffer_bytes, output_logits_bytes
 from sim.workload.model import ModelConfig
 from sim.workload.options import AttentionImpl, OutputFormat, Strategy, WrapPolicy
+from sim.workload.shapes import Workload
 from sim.workload.units import build_segments, build_units
 
 MASTER_DTYPE = "fp32"  # FSDP2 keeps sharded parameters, gradients and optimizer states in fp32

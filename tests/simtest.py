@@ -76,10 +76,11 @@ def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, fact
     """A compute section whose every measurement is ``factor`` x the analytic model's, at the
     scenario's dimensions (what `calibrate compute` would write on a machine that runs exactly
     ``factor`` times slower and allocates ``factor`` times more)."""
-    from sim.costs.compute import build_compute_costs
+    from sim.costs.compute_build import build_compute_costs
     from sim.dtypes import dtype_bytes
     from sim.workload.forward import layer_ops
-    from sim.workload.layers import CalibrationGroup, Workload
+    from sim.workload.layers import CalibrationGroup
+    from sim.workload.shapes import Workload
 
     t = scenario.training
     workload = Workload(

@@ -12,7 +12,7 @@ from simtest import run_calibrate
 from calibrate.compute import ComputeTarget
 from calibrate.memtrack import SavedTensorBytes, peak_above_start
 from sim.cli.main import main as fsdpsim_main
-from sim.costs.compute import check_compute_matches
+from sim.costs.compute_build import check_compute_matches
 from sim.errors import UserError
 from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.hardware.compute_section import parse_compute_section

@@ -11,12 +11,13 @@ from simtest import calibrated_compute_profile, compute_target, description_cach
 
 from calibrate import hf_units
 from sim.cli.main import main as fsdpsim_main
-from sim.costs.compute import build_compute_costs
+from sim.costs.compute_build import build_compute_costs
 from sim.hardware.registry import load_profile
 from sim.scenario.loader import load_scenario
 from sim.workload.described import described_layer_ops
-from sim.workload.layers import CalibrationGroup, LayerKind, Workload
+from sim.workload.layers import CalibrationGroup, LayerKind
 from sim.workload.options import OptimizerName
+from sim.workload.shapes import Workload
 
 pytestmark = pytest.mark.slow  # real torch.distributed processes
 

@@ -17,7 +17,8 @@ from sim.core.events import OpKind
 from sim.outputs.memory_curve import memory_curve
 from sim.scenario.loader import load_scenario
 from sim.simulate import SimResult, simulate
-from sim.workload.layers import AttentionShape, Workload, attention_kernel_figures
+from sim.workload.attention_kernel import attention_kernel_figures
+from sim.workload.shapes import AttentionShape, Workload
 
 DATA = Path(__file__).parent / "data" / "hf"
 B, S = 2, 256  # micro-batch and tokens of the simulated steps

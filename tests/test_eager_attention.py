@@ -8,19 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from sim.dtypes import FP32_BYTES
+from sim.workload.attention_kernel import attention_kernel_figures
 from sim.workload.described import float_mask_count
 from sim.workload.description import parse_description
 from sim.workload.eager_attention import eager_score_bytes
 from sim.workload.forward import layer_ops
-from sim.workload.layers import (
-    FP32_BYTES,
-    AttentionShape,
-    LayerKind,
-    Workload,
-    attention_kernel_figures,
-    float_mask_bytes,
-)
+from sim.workload.layers import LayerKind, float_mask_bytes
 from sim.workload.model import ModelConfig
+from sim.workload.shapes import AttentionShape, Workload
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -8,15 +8,17 @@ from pathlib import Path
 import pytest
 from simtest import make_profile, make_scenario
 
+from sim.dtypes import FP32_BYTES
 from sim.errors import UserError
 from sim.scenario.loader import load_scenario
 from sim.simulate import simulate
+from sim.workload.attention_kernel import attention_kernel_figures
 from sim.workload.checkpointing import block_input_bytes
 from sim.workload.description import parse_description
 from sim.workload.forward import layer_ops
-from sim.workload.layers import FP32_BYTES, AttentionShape, Workload, attention_kernel_figures
 from sim.workload.model import ModelConfig
 from sim.workload.options import WrapPolicy
+from sim.workload.shapes import AttentionShape, Workload
 from sim.workload.units import ROOT, build_segments, build_units, gradient_params
 
 torch = pytest.importorskip("torch")

@@ -11,9 +11,10 @@ from sim.hardware.compute_section import parse_compute_section
 from sim.hardware.registry import load_profile
 from sim.outputs.report import build_report
 from sim.simulate import simulate
-from sim.workload.layers import LayerKind, Workload, llama_layer_ops
+from sim.workload.layers import LayerKind, llama_layer_ops
 from sim.workload.model import preset
 from sim.workload.options import LossKernel
+from sim.workload.shapes import Workload
 
 LLAMA3_8B = preset("llama3-8b")
 

@@ -6,21 +6,17 @@ import pytest
 from simtest import elementwise_op
 
 from sim.core.events import MemoryCategory, MemoryRecord, RequestOrder, Stream
-from sim.costs.compute import backward_order, request_order
+from sim.costs.request_order import backward_order, request_order
 from sim.outputs.allocator import CachingAllocator, Served, serve_record
+from sim.workload.attention_kernel import attention_kernel_backward_requests, attention_kernel_requests
 from sim.workload.eager_attention import (
     eager_score_backward_requests,
     eager_score_bytes,
     eager_score_requests,
     eager_score_saved_pieces,
 )
-from sim.workload.layers import (
-    AttentionShape,
-    LayerOp,
-    Workload,
-    attention_kernel_backward_requests,
-    attention_kernel_requests,
-)
+from sim.workload.layers import LayerOp
+from sim.workload.shapes import AttentionShape, Workload
 
 MiB = 1 << 20
 

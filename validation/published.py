@@ -454,7 +454,7 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "in the first row 128 of the step's 128 MiB requests become 32 MiB ones) the replays stay at 17.34 and 25.34 GiB "
         "(measured 2026-12-04). The candidate left: allocations fake mode cannot see. "
         "How the simulated step asks the allocator: each segment's forward and backward in its ops' own "
-        "order of requests (`SegmentFigures.forward_order` and `backward_order`, `sim/costs/compute.py`): "
+        "order of requests (`SegmentFigures.forward_order` and `backward_order`, `sim/costs/request_order.py`): "
         "the tracer's allocations and frees of every storage, op by op (`hfmodel/trace.py`: a call's outputs "
         "made before what it was the last to read is dropped; what autograd saves kept, and released in "
         "backward where autograd drops it), the eager attention's s² tensors op by op "

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 from sim.dtypes import dtype_bytes
 from sim.hardware.schema import AttentionCurve, DeviceSpec
-from sim.workload.layers import AttentionShape, LayerKind, LayerOp
+from sim.workload.layers import LayerKind, LayerOp
+from sim.workload.shapes import AttentionShape
 
 TILE_M, TILE_N = 256, 128  # cuBLAS's largest CTA tile (NVIDIA Matrix Multiplication Background guide)
 ALIGN_ELEMENTS = 8  # tensor cores want every dimension a multiple of 8 fp16/bf16 elements

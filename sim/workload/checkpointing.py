@@ -10,9 +10,9 @@
 
 from dataclasses import dataclass
 
-from sim.workload.layers import Workload
 from sim.workload.model import ModelConfig
 from sim.workload.options import CheckpointMode
+from sim.workload.shapes import Workload
 
 
 @dataclass(frozen=True, kw_only=True)

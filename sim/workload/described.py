@@ -4,7 +4,7 @@ and transients), the host stream (Python-level calls) and selective checkpointin
 
 Each measured op becomes one ``LayerOp``; an attention op adds the attention kernel's own
 FLOPs, saved bytes and transients for the kernel the profile runs
-(``sim.workload.layers.attention_kernel_figures``). Ops were measured at one micro-batch,
+(``sim.workload.attention_kernel.attention_kernel_figures``). Ops were measured at one micro-batch,
 sequence length and dtype; the scenario loader measures at the scenario's.
 """
 
@@ -13,21 +13,17 @@ from dataclasses import replace
 from functools import cache
 
 from sim.errors import UserError
-from sim.workload.description import DescribedOp, ModelDescription
-from sim.workload.finetune import FinetuneFacts, dequant_bytes, dequant_transient_bytes
-from sim.workload.layers import (
-    AttentionShape,
-    LayerKind,
-    LayerOp,
-    Request,
-    Workload,
-    _sac_kept,
+from sim.workload.attention_kernel import (
     attention_kernel_backward_requests,
     attention_kernel_figures,
     attention_kernel_requests,
     attention_saved_pieces,
 )
+from sim.workload.description import DescribedOp, ModelDescription
+from sim.workload.finetune import FinetuneFacts, dequant_bytes, dequant_transient_bytes
+from sim.workload.layers import LayerKind, LayerOp, _sac_kept
 from sim.workload.params import ParamSpec
+from sim.workload.shapes import AttentionShape, Request, Workload
 
 KINDS = {k.value: k for k in LayerKind}
 # the first number QLoRA's dequantized weights take as tensors of an op's requests (counting down,

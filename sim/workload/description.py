@@ -13,7 +13,7 @@ here without torch. It holds:
   parameters it owns (a tied one at its first user; ``reuses`` names it at the later ones), forward FLOPs, the (M, N, K, count) of its matmuls, bytes moved by its
   elementwise work, saved-activation bytes, forward and backward transients (each with the
   storage sizes that make it up, ``*_pieces``, in creation order) and Python-level calls; an attention op also carries its call's shape (the kernel's own work is added per kernel
-  by ``sim.workload.layers.attention_kernel_figures``, since it depends on the hardware); and
+  by ``sim.workload.attention_kernel.attention_kernel_figures``, since it depends on the hardware); and
   what its backward runs, measured: the matmuls autograd issues (a frozen weight has no weight
   gradient; an op whose input needs no gradient either has none at all), their FLOPs, and the
   bytes its elementwise backward moves;

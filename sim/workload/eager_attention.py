@@ -39,7 +39,7 @@ a CUDA dropout is ``native_dropout`` instead (a 1-byte mask), not modelled.
 
 from dataclasses import dataclass
 
-FP32_BYTES = 4
+from sim.dtypes import FP32_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,14 +28,13 @@ from dataclasses import dataclass, replace
 from math import ceil
 from typing import Any
 
-from sim.dtypes import dtype_bytes
+from sim.dtypes import FP32_BYTES, dtype_bytes
 from sim.workload.params import ParamSpec
 
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block size
 NESTED_BLOCK = 256  # the double quantization's block of absmax values
 NF4_CODE_BYTES = 16 * 4  # get_4bit_type("nf4"): 16 fp32 values, one tensor per weight
 DYNAMIC_CODE_BYTES = 256 * 4  # create_dynamic_map(): 256 fp32 values, copied into each nested state
-FP32_BYTES = 4
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,9 +3,10 @@
 
 from sim.errors import UserError
 from sim.workload.described import described_layer_ops
-from sim.workload.layers import LayerOp, Workload, llama_layer_ops
+from sim.workload.layers import LayerOp, llama_layer_ops
 from sim.workload.model import ModelConfig
 from sim.workload.options import LossKernel, NormKernel
+from sim.workload.shapes import Workload
 
 
 def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:

@@ -1,0 +1,248 @@
+"""The attention kernel's own share of an attention op: its FLOPs, what it saves for backward and
+what it holds beside that in forward and backward, the tensors those bytes are made of and the
+order in which it makes and frees them (the caching allocator's replay, ``sim.outputs.allocator``).
+
+One function per figure, for every kernel a scenario names: fused kernels (flash,
+memory-efficient, cuDNN: the log-sum-exp and an fp32 dq accumulator), the math path of
+``F.scaled_dot_product_attention`` (fp32 copies and the s² softmax, measured here) and a model's
+own eager attention, op by op (``sim.workload.eager_attention``). ``sim.workload.layers`` builds
+the Llama ops on it; ``sim.workload.described`` a described model's attention op.
+"""
+
+from sim.dtypes import FP32_BYTES
+from sim.workload.eager_attention import (
+    eager_score_backward_requests,
+    eager_score_bytes,
+    eager_score_requests,
+    eager_score_saved_pieces,
+)
+from sim.workload.shapes import AttentionShape, Request, Workload
+
+# The math path of ``F.scaled_dot_product_attention`` (torch 2.13 ``_scaled_dot_product_attention_math``,
+# measured here with saved-tensor hooks and live storages on bf16 and fp32 inputs, 64-1,024
+# tokens): it upcasts q, k and v to fp32 (its default, ``allow_fp16_bf16_reduction_math_sdp``
+# off) and saves them and the fp32 softmax; with dropout also the fp32 dropout mask and the
+# dropped probabilities. Its forward's peak above what it saves (the simulator holds an op's
+# transient on top of its saved bytes) is one low-precision copy of the scores (2 B per score for
+# bf16 inputs, none for fp32: the fp32 scores are gone by the time the saved softmax and dropout
+# tensors exist); its backward holds 4 B per score (the fp32 score gradient) and, with an additive
+# bias, the bias's fp32 gradient summed over the batch.
+MATH_SAVED_BYTES_PER_SCORE = FP32_BYTES
+MATH_DROPOUT_SAVED_BYTES_PER_SCORE = 2 * FP32_BYTES
+MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE = FP32_BYTES
+
+
+def _math_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tuple[int, int, int]:
+    """(saved, forward transient, backward transient bytes) of the math path (see above)."""
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    q_dim = shape.heads * shape.head_dim
+    kv_dim = shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
+    out_dim = shape.heads * (shape.v_head_dim or shape.head_dim)
+    scores = t * shape.heads * shape.kv_len
+    per_score = MATH_SAVED_BYTES_PER_SCORE + (MATH_DROPOUT_SAVED_BYTES_PER_SCORE if shape.dropout else 0)
+    saved = FP32_BYTES * (t * q_dim + t_kv * kv_dim) + scores * per_score
+    saved += t * out_dim * w.act_bytes if output_saved else 0
+    bias_grad = FP32_BYTES * shape.heads * shape.seq_len * shape.kv_len if shape.bias_grad else 0
+    low_precision_copy = scores * w.act_bytes if w.act_bytes < FP32_BYTES else 0
+    return saved, low_precision_copy, scores * MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE + bias_grad
+
+
+def _eager_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tuple[int, int, int]:
+    """(saved, forward transient, backward transient bytes) of a model's eager attention, op by op
+    (``sim.workload.eager_attention``): q; k and v as ``repeat_kv`` copies them to every query
+    head (the matmuls keep the copies); the s² tensors per score. Beside them in forward the
+    ``@ v`` matmul's output before its ``transpose().contiguous()`` copy; in backward, the
+    output's gradient made contiguous and the copied values' gradient with the probabilities'
+    (the first step), or the s² peak. In a model (``backward_start_bytes`` known) the backward
+    is ``_eager_backward_in_model``'s."""
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    a, dv = w.act_bytes, shape.v_head_dim or shape.head_dim
+    scores = t * shape.heads * shape.kv_len
+    out = t * shape.heads * dv * a
+    per = eager_score_bytes(a, softcap=shape.softcap, dropout=shape.dropout > 0)
+    saved = t * shape.heads * shape.head_dim * a + t_kv * shape.heads * (shape.head_dim + dv) * a
+    saved += scores * per.saved + (out if output_saved else 0)
+    if shape.backward_start_bytes is not None:
+        return saved, max(scores * per.forward_peak, out), _eager_backward_in_model(shape, w)
+    # with as many key/value heads as query heads the values' gradient is the model's (the probe's)
+    repeated_v_grad = t_kv * shape.heads * dv * a if shape.kv_heads < shape.heads else 0
+    backward = max(scores * per.backward_peak, scores * per.av_backward + out + repeated_v_grad)
+    return saved, max(scores * per.forward_peak, out), backward
+
+
+def _eager_backward_in_model(shape: AttentionShape, w: Workload) -> int:
+    """The eager attention's backward peak inside the model, above everything its op saved: what
+    the model holds as it starts (``backward_start_bytes``: the output's gradient, the residual
+    stream's), less the op's output, which its consumer's backward (the output projection's) has
+    released by then; then the kernel's steps. First the ``@ v`` matmul's backward: the
+    gradient's contiguous copy, the probabilities' gradient and the values' gradient (as
+    ``repeat_kv`` copied them). Then it releases the probabilities' cast and the values it kept
+    (as large as their gradient), and the output's gradient and its copy are gone: from there the
+    s² steps of ``eager_score_bytes`` (the softmax backward's two fp32 gradients). Measured in
+    fake mode on transformers' Llama (tests/test_eager_ac.py)."""
+    assert shape.backward_start_bytes is not None
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    a, dv = w.act_bytes, shape.v_head_dim or shape.head_dim
+    scores = t * shape.heads * shape.kv_len
+    out, v_grad = t * shape.heads * dv * a, t_kv * shape.heads * dv * a
+    per = eager_score_bytes(a, softcap=shape.softcap, dropout=shape.dropout > 0)
+    start = shape.backward_start_bytes - out  # the op's output released
+    return max(start + out + scores * per.av_backward + v_grad, start - out + scores * per.backward_peak)
+
+
+def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
+    """A fused kernel given an additive bias (T5's relative position bias; flash takes none, so
+    SDPA runs memory-efficient attention): it keeps the bias, one per call broadcast over the
+    batch, its last dimension padded to 16, and, when the bias is learned, its backward allocates
+    the bias's gradient in the broadcast shape, batch × heads × queries × padded keys
+    (torch 2.13 ``_efficient_attention_backward``, ``grad_bias = at::empty(bias->sizes())``).
+    Not validated: no GPU here (the CPU runs the math path)."""
+    padded = 16 * ((shape.kv_len + 15) // 16)
+    per_batch = shape.heads * shape.seq_len * padded * a
+    return per_batch, shape.batch * per_batch if shape.bias_grad else 0
+
+
+def attention_saved_pieces(
+    shape: AttentionShape, w: Workload, *, output_saved: bool = True
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The tensors behind ``attention_kernel_figures``' saved bytes, in the order they are made,
+    as (q, k and v; the kernel's own; the output where counted here): q, k and v (the eager
+    path's ``repeat_kv`` copies at the query heads), then a fused kernel's fp32 log-sum-exp (and
+    a bias) or the eager path's s² tensors; the math path as one block of its own."""
+    a, dv = w.act_bytes, shape.v_head_dim or shape.head_dim
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    q = t * shape.heads * shape.head_dim * a
+    out = (t * shape.heads * dv * a,) if output_saved else ()
+    if w.attention_kernel == "eager":
+        per = eager_score_saved_pieces(a, softcap=shape.softcap, dropout=shape.dropout > 0)
+        scores = t * shape.heads * shape.kv_len
+        kv = (t_kv * shape.heads * shape.head_dim * a, t_kv * shape.heads * dv * a)
+        return (q, *kv), tuple(scores * n for n in per), out
+    if w.attention_kernel == "math":
+        return (), (attention_kernel_figures(shape, w, output_saved=output_saved)[1],), ()
+    kv = (t_kv * shape.kv_heads * shape.head_dim * a, t_kv * shape.kv_heads * dv * a)
+    bias = (_fused_bias_bytes(shape, a)[0],) if shape.bias else ()
+    return (q, *kv), (t * shape.heads * FP32_BYTES, *bias), out
+
+
+# the first number the attention kernel's own tensors take (counting down, apart from the model's
+# storages and from the eager per-score table's -1, -2, ...)
+KERNEL_TENSOR_IDS = -100
+
+
+def attention_kernel_requests(
+    shape: AttentionShape, w: Workload, *, output_saved: bool = True
+) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
+    """The order in which the attention kernel makes its own tensors in forward (those of
+    ``attention_saved_pieces``' second and third parts; q, k and v are the model's, which the
+    trace marks kept), and the same where its block is checkpointed (all freed once it has run).
+    Eager: ``repeat_kv``'s copies where there are fewer key/value heads, the s² tensors op by op
+    (``eager_score_requests``), then the ``@ v`` matmul's output before its contiguous copy; a
+    fused kernel its log-sum-exp (and bias); the math path its saved block (the output in it)
+    and its low-precision copy. The output where the kernel counts it, kept, last."""
+    a, dv = w.act_bytes, shape.v_head_dim or shape.head_dim
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    out_bytes = t * shape.heads * dv * a
+    ids = iter(range(KERNEL_TENSOR_IDS, KERNEL_TENSOR_IDS - 100, -1))
+    requests: list[Request] = []
+    if w.attention_kernel == "eager":
+        if shape.kv_heads < shape.heads:
+            requests += [
+                (next(ids), -t_kv * shape.heads * shape.head_dim * a),
+                (next(ids), -t_kv * shape.heads * dv * a),
+            ]
+        scores = t * shape.heads * shape.kv_len
+        per = eager_score_requests(a, softcap=shape.softcap, dropout=shape.dropout > 0)
+        requests += [(i, n * scores) for i, n in per]
+        before_copy = next(ids)
+        requests += [(before_copy, out_bytes), (before_copy, 0)]
+    elif w.attention_kernel == "math":  # one saved block (its output included), as its figures
+        saved, copy, _ = _math_figures(shape, w, output_saved)
+        requests.append((next(ids), -saved))
+        if copy:
+            low = next(ids)
+            requests += [(low, copy), (low, 0)]
+        output_saved = False
+    else:
+        requests.append((next(ids), -t * shape.heads * FP32_BYTES))
+        if shape.bias:
+            requests.append((next(ids), -_fused_bias_bytes(shape, a)[0]))
+    if output_saved:
+        requests.append((next(ids), -out_bytes))
+    made = [i for i, n in requests if n != 0]
+    freed = {i for i, n in requests if n == 0}
+    checkpointed = [(i, abs(n)) if n else (i, 0) for i, n in requests]
+    checkpointed += [(i, 0) for i in made if i not in freed]
+    return tuple(requests), tuple(checkpointed)
+
+
+def attention_kernel_backward_requests(
+    shape: AttentionShape, w: Workload, *, output_saved: bool = True
+) -> tuple[Request, ...]:
+    """The attention kernel's backward as it makes and frees its own gradients, releasing the
+    tensors its forward kept (``attention_kernel_requests``' numbers) once it has read them: the
+    eager path op by op (``eager_score_backward_requests``), a fused kernel its fp32 dq
+    accumulator, the math path its transient, each as one tensor; what is kept and not yet
+    released goes as it ends."""
+    forward, _ = attention_kernel_requests(shape, w, output_saved=output_saved)
+    out: list[Request] = []
+    if w.attention_kernel == "eager":
+        scores = shape.batch * shape.seq_len * shape.heads * shape.kv_len
+        per = eager_score_backward_requests(w.act_bytes, softcap=shape.softcap, dropout=shape.dropout > 0)
+        out += [(tensor, n * scores) for tensor, n in per]
+    else:
+        t = shape.batch * shape.seq_len
+        transient = (
+            _math_figures(shape, w, output_saved)[2]
+            if w.attention_kernel == "math"
+            else t * shape.heads * shape.head_dim * FP32_BYTES
+        )
+        own = KERNEL_TENSOR_IDS - 50
+        out += [(own, transient), (own, 0)] if transient else []
+    released = {tensor for tensor, n in out if n == 0}
+    out += [(tensor, 0) for tensor, n in forward if n < 0 and tensor not in released]
+    return tuple(out)
+
+
+def attention_kernel_figures(
+    shape: AttentionShape, w: Workload, *, output_saved: bool = True, model_backward_bytes: int = 0
+) -> tuple[float, int, int, int]:
+    """(forward FLOPs, saved, forward transient, backward transient bytes) of the attention kernel:
+    the transients are what it adds to the op's own (the model's work around it; its backward
+    transient ``model_backward_bytes``).
+
+    A fused kernel (flash, memory-efficient, cuDNN) keeps q, k, v, its output and the fp32
+    log-sum-exp, and its backward an fp32 dq accumulator; causal masking halves its FLOPs and a
+    sliding window skips the pairs outside it; its dropout keeps a random seed, not a mask. The
+    math path keeps fp32 copies and the s² softmax (``_math_figures``), a model's eager attention
+    its s² tensors op by op (``_eager_figures``). ``output_saved=False``
+    when the output is counted elsewhere (a described model measures it at the output
+    projection). Queries and keys count the call's own tokens: an encoder-decoder's decoder
+    attends over ``decoder_seq_len`` queries, its cross-attention over the encoder's ``seq_len`` keys.
+    """
+    a, s = w.act_bytes, shape.kv_len
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * s
+    q_dim = shape.heads * shape.head_dim
+    out_dim = shape.heads * (shape.v_head_dim or shape.head_dim)
+    kv_dim = shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
+    flash = w.attention_kernel not in ("math", "eager")
+    if flash:
+        saved = t * (a * (q_dim + (out_dim if output_saved else 0)) + FP32_BYTES * shape.heads)
+        saved += t_kv * a * kv_dim
+        fwd_transient, bwd_transient = 0, t * q_dim * FP32_BYTES  # the flash backward's fp32 dq
+        if shape.bias:
+            bias_saved, bias_grad = _fused_bias_bytes(shape, a)
+            saved, bwd_transient = saved + bias_saved, bwd_transient + bias_grad
+    elif w.attention_kernel == "eager":
+        saved, fwd_transient, bwd_transient = _eager_figures(shape, w, output_saved)
+        if shape.backward_start_bytes is not None:  # a peak in the model, not on top of its own
+            bwd_transient = max(0, bwd_transient - model_backward_bytes)
+    else:
+        saved, fwd_transient, bwd_transient = _math_figures(shape, w, output_saved)
+    width = shape.heads * shape.flops_head_dim
+    if flash and shape.window is not None and shape.window < s:  # keys attended per query, on average
+        pairs = shape.window - shape.window**2 / (2.0 * s) if shape.causal else 2.0 * shape.window
+        flops = 4.0 * t * pairs * width
+    else:
+        flops = 4.0 * t * s * width * (0.5 if flash and shape.causal else 1.0)
+    return flops, saved, fwd_transient, bwd_transient

@@ -1,0 +1,67 @@
+"""What one micro-batch and one attention call look like to the kernels, and the one form of an
+op's request to the allocator: the shapes every cost and memory figure of ``sim.workload`` reads."""
+
+from dataclasses import dataclass
+
+from sim.workload.options import LossKernel, NormKernel
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one micro-batch looks like to the kernels."""
+
+    micro_batch: int
+    seq_len: int
+    act_bytes: int  # activation dtype (param_dtype under FSDP2 MixedPrecisionPolicy)
+    attention_kernel: str  # "flash", "cudnn", "efficient" (no seq^2 buffers) or "math"
+    loss: LossKernel = LossKernel.EAGER
+    norm: NormKernel = NormKernel.EAGER
+    # an encoder-decoder's decoder length (``training.decoder_seq_len``); None for a decoder
+    decoder_seq_len: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionShape:
+    """One scaled-dot-product attention call: batch, sequence, heads and head dimension."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool = True
+    v_head_dim: int | None = None  # when values differ from queries and keys (DeepSeek's MLA)
+    window: int | None = None  # sliding-window attention: keys attended per query at most
+    # keys per query when they differ from the queries' length: an encoder-decoder's
+    # cross-attention (decoder queries over the encoder's output)
+    kv_seq_len: int | None = None
+    dropout: float = 0.0  # attention dropout probability (T5 trains with dropout_rate 0.1)
+    bias: bool = False  # an additive float bias masks the scores (T5's relative position bias)
+    bias_grad: bool = False  # the bias is learned: its gradient flows back (not T5's cross-attention)
+    softcap: bool = False  # tanh soft-capping of the scores (Gemma 2's ``attn_logit_softcapping``)
+    # the model's additive float masks (eager attention: one per pattern, full and sliding,
+    # batch × queries × keys in the activation dtype; fused kernels take none): their bytes are
+    # the schedule's (``float_mask_bytes``), alive from the first block to the stack's end
+    float_masks: int = 0
+    # what the model's backward holds as the kernel's backward starts, its output's gradient
+    # among it (measured for a described model's call); None: the kernel alone (the hand-written
+    # ops count no gradients passed between ops)
+    backward_start_bytes: int | None = None
+
+    @property
+    def kv_len(self) -> int:
+        return self.seq_len if self.kv_seq_len is None else self.kv_seq_len
+
+    @property
+    def flops_head_dim(self) -> float:
+        """The head dimension of the FLOP count: QKᵀ runs on ``head_dim``, AV on ``v_head_dim``."""
+        return self.head_dim if self.v_head_dim is None else (self.head_dim + self.v_head_dim) / 2
+
+
+# a forward request (``DescribedOp.forward_requests``): (tensor, bytes), bytes > 0 made and freed by
+# the forward, < 0 made and kept for backward, 0 the tensor's free
+Request = tuple[int, int]
