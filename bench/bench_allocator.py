@@ -11,7 +11,7 @@ import time
 from sim.outputs.allocator import allocator_order, reserved_curve, tensor_sizes
 from sim.scenario.loader import scenario_from_dict
 from sim.simulate import simulate
-from validation.published import MEMORY_RUNS
+from validation.published_memory import MEMORY_RUNS
 
 GIB = 1 << 30
 

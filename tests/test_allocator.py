@@ -369,7 +369,7 @@ def test_one_warm_up_step_reaches_the_steady_state(row: int) -> None:
     kept tensors scattered by then), as the real sequence's second step adds three (the PR's code
     logged by ``validation.allocator_replay``, measured 2026-12-04); without it the same."""
     from sim.scenario.loader import scenario_from_dict
-    from validation.published import MEMORY_RUNS
+    from validation.published_memory import MEMORY_RUNS
 
     run = MEMORY_RUNS[row]
     result = simulate(scenario_from_dict(run.tables, run.name, []))
@@ -390,7 +390,7 @@ def test_the_simulated_sequence_reserves_the_real_sequences_large_segments(
     2026-12-04; served a segment at a time, as the tensors alive at its peak, the simulated step
     took one of 2.12 GiB more in the first row, and six of 2 GiB in the second)."""
     from sim.scenario.loader import scenario_from_dict
-    from validation.published import MEMORY_RUNS
+    from validation.published_memory import MEMORY_RUNS
 
     run = MEMORY_RUNS[row]
     result = simulate(scenario_from_dict(run.tables, run.name, []))

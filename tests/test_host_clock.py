@@ -14,7 +14,7 @@ from sim.outputs.report import build_report
 from sim.scenario.loader import scenario_from_dict
 from sim.schedule.base import LAUNCH_QUEUE_DEPTH
 from sim.simulate import simulate
-from validation.published import GIB, MEMORY_RUNS
+from validation.published_memory import GIB, MEMORY_RUNS
 
 ONE = Topology(world_size=1, gpus_per_node=1, shard_size=1)
 MIB = 1 << 20

@@ -1,10 +1,11 @@
-"""The development set's peak-memory table (``validation.published``): errors against figures a
+"""The development set's peak-memory table (``validation.published_memory``): errors against figures a
 source prints in whole GiB rounded down, and the 70B full fine-tune row against its published
 allocated peak."""
 
 import pytest
 
-from validation.published import GIB, MEMORY_RUNS, MEMORY_TARGET, _error, _memory_row, predict_tables
+from validation.published import predict_tables
+from validation.published_memory import GIB, MEMORY_RUNS, MEMORY_TARGET, _error, _memory_row
 
 
 def test_a_whole_gib_figure_stands_for_the_gib_it_rounds_down_from() -> None:

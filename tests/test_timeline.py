@@ -102,7 +102,7 @@ def test_the_active_line_is_the_reports_and_never_above_reserved():
     blocks the host freed that the device still uses (record_stream)."""
     from sim.scenario.loader import scenario_from_dict
     from sim.simulate import simulate
-    from validation.published import MEMORY_RUNS
+    from validation.published_memory import MEMORY_RUNS
 
     run = MEMORY_RUNS[-1]
     result = simulate(scenario_from_dict(run.tables, run.name, []))

@@ -190,7 +190,7 @@ def test_the_legacy_probe_names_its_rows_in_one_line() -> None:
             cwd=root,
         )
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    from validation.published import MEMORY_RUNS
+    from validation.published_memory import MEMORY_RUNS
 
     assert (
         f"allowed 0..{len(MEMORY_RUNS) - 1}, got 9"

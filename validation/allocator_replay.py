@@ -124,7 +124,7 @@ def logged_step(scenario: Any, legacy: bool) -> tuple[Any, dict[str, Any]]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m validation.allocator_replay")
     parser.add_argument("scenario", nargs="?")
-    parser.add_argument("--memory-row", type=int, help="a row of validation.published.MEMORY_RUNS")
+    parser.add_argument("--memory-row", type=int, help="a row of validation.published_memory.MEMORY_RUNS")
     parser.add_argument("--site", help="a directory holding the old transformers and peft (legacy run)")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ that version's own ``LlamaForCausalLM``.
     python -m validation.legacy_transformers --memory-row N --site DIR
 
 (``--memory-row N``: the scenario of row N of ``make validate-published``'s memory table,
-``validation.published.MEMORY_RUNS``.)
+``validation.published_memory.MEMORY_RUNS``.)
 
 ``DIR`` holds the old packages, e.g. ``pip install --no-deps --target DIR transformers==4.31.0
 huggingface-hub==0.16.4 tokenizers==0.13.3 peft==0.4.0``; it goes first on ``sys.path`` after the
@@ -128,7 +128,7 @@ def load_scenario_or_row(path: str | None, row: int | None, overrides: list[str]
     if path is not None:
         return load_scenario(path, overrides)
     from sim.scenario.loader import scenario_from_dict
-    from validation.published import MEMORY_RUNS
+    from validation.published_memory import MEMORY_RUNS
 
     assert row is not None
     if not 0 <= row < len(MEMORY_RUNS):
@@ -140,7 +140,7 @@ def load_scenario_or_row(path: str | None, row: int | None, overrides: list[str]
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m validation.legacy_transformers")
     parser.add_argument("scenario", nargs="?")
-    parser.add_argument("--memory-row", type=int, help="a row of validation.published.MEMORY_RUNS")
+    parser.add_argument("--memory-row", type=int, help="a row of validation.published_memory.MEMORY_RUNS")
     parser.add_argument("--site", required=True, help="a directory holding the old transformers and peft")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     args = parser.parse_args(argv)

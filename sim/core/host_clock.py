@@ -13,7 +13,7 @@ reads) comes back only once that stream has passed the free, as the events
 ``insert_events`` records make it wait: at the later of the host's drop and the device's time.
 So the allocator's active bytes can exceed what the device's kernels hold at any one time: the
 blocks the host has dropped and the recording stream has not yet reached (llama-recipes' 70B
-FSDP1 run: 17 GiB, ``validation.published``).
+FSDP1 run: 17 GiB, ``validation.published_memory``).
 
 On a host that is the device (gloo on CPUs: ``serial``) the host issues each op as it runs it,
 and the allocator's times are the device's.
