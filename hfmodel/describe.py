@@ -21,7 +21,8 @@ from hfmodel.build import block_prefixes, block_stacks, build_causal_lm, hf_conf
 from hfmodel.finetune import FULL, apply_lora, frozen_params, quantized_params
 from hfmodel.ops import owner_block
 from hfmodel.probe import PROBE, ProbeRecorder
-from hfmodel.trace import HostCalls, OpRecord, Owners, SavedBytes, Tracer, backward_live_bytes, finish
+from hfmodel.trace import HostCalls, OpRecord, Owners, SavedBytes, Tracer
+from hfmodel.trace_figures import backward_live_bytes, finish
 from sim.dtypes import canonical_dtype
 from sim.errors import UserError
 from sim.workload.description import DESCRIPTION_VERSION

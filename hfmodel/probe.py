@@ -136,7 +136,7 @@ class ProbeRecorder:
     def _backward_marker(self, call: int) -> Callable[[], None]:
         """Notes the tracer's step as call ``call``'s backward begins (storages freed by then
         swept), so that what the model's backward holds at that moment can be read off the
-        tracer's storage lives (``hfmodel.trace.backward_live_bytes``)."""
+        tracer's storage lives (``hfmodel.trace_figures.backward_live_bytes``)."""
 
         def started() -> None:
             self.tracer._sweep()

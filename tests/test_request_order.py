@@ -29,7 +29,8 @@ def test_the_tracer_orders_each_ops_allocations_and_frees() -> None:
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hfmodel.trace import HostCalls, Owners, SavedBytes, Tracer, finish
+    from hfmodel.trace import HostCalls, Owners, SavedBytes, Tracer
+    from hfmodel.trace_figures import finish
 
     class Toy(nn.Module):
         def __init__(self) -> None:
