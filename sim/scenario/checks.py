@@ -1,0 +1,402 @@
+"""The cross-field rules of a scenario: what one section allows depends on another's (a strategy
+and its FSDP version, offload and resharding, DeepSpeed's stages, a finetune method and its
+system, selective checkpointing, the KV cache), each broken rule one ``UserError`` naming the
+file and keys; and the warnings a valid scenario still earns. ``sim.scenario.loader`` runs them
+after building the sections (``check_precision`` and ``check_finetune`` before the model is
+resolved, ``check_scenario`` on the whole).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from sim.dtypes import FLOAT_DTYPES, canonical_dtype
+from sim.errors import UserError
+from sim.scenario.expert_check import check_expert_parallel
+from sim.scenario.sections import ENGINES, FinetuneSection, Scenario
+from sim.workload.options import (
+    AttentionImpl,
+    CheckpointMode,
+    FinetuneMethod,
+    OutputFormat,
+    Strategy,
+    WrapPolicy,
+)
+from sim.workload.units import build_units
+
+
+def check_scenario(s: Scenario, where: str) -> None:
+    """The rules across a loaded scenario's sections; the first broken one a UserError naming
+    ``where`` and the keys."""
+
+    def positive(name: str, value: float) -> None:
+        if value <= 0:
+            raise UserError(f"{where}: {name} must be > 0, got {value}")
+
+    for name in ("micro_batch", "seq_len", "grad_accum"):
+        positive(f"training.{name}", getattr(s.training, name))
+    _check_decoder_seq_len(s, where)
+    _check_use_cache(s, where)
+    avg = s.training.avg_seq_len
+    if avg is not None and not 0 < avg <= s.training.seq_len:
+        raise UserError(
+            f"{where}: training.avg_seq_len must be in [1, training.seq_len = {s.training.seq_len}], got {avg}"
+        )
+    p = s.parallel
+    positive("parallel.world_size", p.world_size)
+    positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb)
+    _check_selective(s, where)
+    _check_cluster(s, where, positive)
+    if p.forward_prefetch < 0 or p.backward_prefetch < 0:
+        raise UserError(f"{where}: parallel.forward_prefetch and parallel.backward_prefetch must be >= 0")
+    if p.shard_group_size is not None:
+        positive("parallel.shard_group_size", p.shard_group_size)
+    if p.strategy.is_hybrid:
+        g = s.shard_group_size
+        if g <= 0 or p.world_size % g:
+            raise UserError(
+                f"{where}: parallel.world_size ({p.world_size}) must be divisible by parallel.shard_group_size ({g})"
+            )
+    elif p.shard_group_size is not None:
+        raise UserError(
+            f"{where}: parallel.shard_group_size applies only to strategies HYBRID_SHARD and _HYBRID_SHARD_ZERO2"
+        )
+    if not 0.0 <= s.precision.skipped_step_fraction < 1.0:
+        raise UserError(f"{where}: precision.skipped_step_fraction must be in [0, 1)")
+    if s.precision.grad_scaler and s.deepspeed.enabled:
+        raise UserError(
+            f"{where}: precision.grad_scaler: DeepSpeed scales fp16 losses itself (fp16 in [precision])"
+        )
+    _check_fsdp_version(s, where)
+    _check_fsdp2_offload(s, where)
+    _check_reshard(s, where)
+    check_expert_parallel(s, where)
+    _check_deepspeed(s, where)
+    _check_finetune_system(s, where)
+    _check_fsdp1_mixed_precision(s, where)
+    sim = s.simulation
+    if sim.compute_jitter is not None and sim.compute_jitter < 0:
+        raise UserError(f"{where}: simulation.compute_jitter must be >= 0")
+    positive("simulation.slow_rank_factor", sim.slow_rank_factor)
+    positive("simulation.slow_nic_factor", sim.slow_nic_factor)
+    if sim.engine not in ENGINES:
+        raise UserError(f"{where}: simulation.engine = {sim.engine!r}; allowed: {', '.join(ENGINES)}")
+    if sim.nic_jitter < 0 or sim.slow_nic < 0 or (sim.slow_nic_node is not None and sim.slow_nic_node < 0):
+        raise UserError(f"{where}: simulation.nic_jitter, slow_nic and slow_nic_node must be >= 0")
+    if sim.slow_rank is not None and not 0 <= sim.slow_rank < p.world_size:
+        raise UserError(
+            f"{where}: simulation.slow_rank must be in [0, {p.world_size - 1}], got {sim.slow_rank}"
+        )
+
+
+def _check_cluster(s: Scenario, where: str, positive: Callable[[str, float], None]) -> None:
+    c = s.cluster
+    for name in ("device_memory_gib", "nics_per_node", "nic_gbps", "nic_factor", "nvlink_factor"):
+        value = getattr(c, name)
+        if value is not None:
+            positive(f"cluster.{name}", value)
+    if c.spine_oversubscription is not None and c.spine_oversubscription < 1:
+        raise UserError(
+            f"{where}: cluster.spine_oversubscription must be >= 1, got {c.spine_oversubscription}"
+        )
+
+
+def _check_fsdp_version(s: Scenario, where: str) -> None:
+    """FSDP1 and FSDP2 exist; FSDP2 has no ``_HYBRID_SHARD_ZERO2`` name (it is HSDP without
+    resharding) but the schedule is the same, so it is accepted; CPU offload is FSDP1's only."""
+    p = s.parallel
+    if p.fsdp_version not in (1, 2):
+        raise UserError(f"{where}: parallel.fsdp_version = {p.fsdp_version} is not allowed; allowed: 1, 2")
+    if p.fsdp_version == 2 and s.fsdp1.cpu_offload:
+        raise UserError(f"{where}: fsdp1.cpu_offload needs parallel.fsdp_version = 1")
+    if p.fsdp_version == 1 and s.fsdp1.cpu_offload and s.training.grad_accum > 1:
+        raise UserError(
+            f"{where}: fsdp1.cpu_offload with training.grad_accum > 1 fails in FSDP1 itself "
+            "(prepare_gradient_for_backward cannot add a CPU gradient to a device one)"
+        )
+    if p.fsdp_version == 1 and s.fsdp1.cpu_offload and p.strategy is Strategy.NO_SHARD:
+        raise UserError(
+            f"{where}: fsdp1.cpu_offload with strategy NO_SHARD is not modelled; use a sharded strategy"
+        )
+
+
+def _check_fsdp2_offload(s: Scenario, where: str) -> None:
+    """``parallel.cpu_offload`` is FSDP2's ``CPUOffloadPolicy``: a sharded FSDP2 strategy, one
+    reduction per unit and step (a second micro-batch's reduced gradient is added into the CPU shard
+    by a blocking copy and a CPU add, not modelled), no grad scaler (its unscale runs on CPU shards)."""
+    p = s.parallel
+    if not p.cpu_offload:
+        return
+    if p.fsdp_version != 2 or s.deepspeed.enabled:
+        raise UserError(
+            f"{where}: parallel.cpu_offload is FSDP2's CPUOffloadPolicy; FSDP1 offloads with "
+            "fsdp1.cpu_offload, DeepSpeed with deepspeed.offload_optimizer / offload_param"
+        )
+    if p.strategy is Strategy.NO_SHARD:
+        raise UserError(f"{where}: parallel.cpu_offload needs a sharded strategy (NO_SHARD is DDP)")
+    if s.shard_group_size == 1:
+        raise UserError(
+            f"{where}: parallel.cpu_offload on a one-rank shard group (no all-gather, no reduce-scatter) "
+            "is not modelled; use a shard group of 2 or more ranks"
+        )
+    if s.training.grad_accum > 1 and s.training.sync_every_microbatch:
+        raise UserError(
+            f"{where}: parallel.cpu_offload with training.grad_accum > 1 adds each micro-batch's reduced "
+            "gradient into the CPU shard on the host, which is not modelled; set "
+            "training.sync_every_microbatch = false (one reduction per step)"
+        )
+    if s.precision.grad_scaler:
+        raise UserError(f"{where}: parallel.cpu_offload with precision.grad_scaler is not modelled")
+
+
+def _check_reshard(s: Scenario, where: str) -> None:
+    """An integer ``reshard_after_forward`` is FSDP2's, and must divide the shard group
+    (``_fsdp_init._get_post_forward_mesh_info``)."""
+    k, p = s.parallel.reshard_after_forward, s.parallel
+    if k is None or isinstance(k, bool):
+        return
+    if p.fsdp_version != 2 or s.deepspeed.enabled or p.strategy is Strategy.NO_SHARD:
+        raise UserError(
+            f"{where}: parallel.reshard_after_forward = {k}: an integer is FSDP2's (fully_shard with a "
+            "sharding strategy); FSDP1, DeepSpeed and NO_SHARD take true or false"
+        )
+    g = s.shard_group_size
+    if k < 1 or g % k:
+        raise UserError(
+            f"{where}: parallel.reshard_after_forward = {k} must be true, false or an integer that divides "
+            f"the shard group size ({g})"
+        )
+
+
+def _check_deepspeed(s: Scenario, where: str) -> None:
+    d = s.deepspeed
+    if not d.enabled:
+        return
+    if d.stage not in (1, 2, 3):
+        raise UserError(
+            f"{where}: deepspeed.stage = {d.stage} is not allowed; allowed: 1, 2, 3 (ZeRO stages)"
+        )
+    for name in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size"):
+        if getattr(d, name) <= 0:
+            raise UserError(f"{where}: deepspeed.{name} must be > 0, got {getattr(d, name)}")
+    if s.param_dtype not in ("bf16", "fp16", "fp32"):
+        raise UserError(
+            f"{where}: precision.param_dtype = {s.param_dtype!r}: DeepSpeed trains in fp32, bf16 or fp16"
+        )
+    if s.parallel.strategy is not Strategy.FULL_SHARD or s.parallel.fsdp_version != 2:
+        raise UserError(
+            f"{where}: deepspeed.enabled: the ZeRO stage is deepspeed.stage; leave parallel.strategy "
+            "(FULL_SHARD) and parallel.fsdp_version (2) at their defaults"
+        )
+    total = s.training.micro_batch * s.training.grad_accum * s.parallel.world_size
+    if d.train_batch_size is not None and d.train_batch_size != total:
+        raise UserError(
+            f"{where}: deepspeed.train_batch_size = {d.train_batch_size} but micro_batch x grad_accum x world_size "
+            f"= {s.training.micro_batch} x {s.training.grad_accum} x {s.parallel.world_size} = {total}"
+        )
+    if d.offload_optimizer.value == "nvme" and d.stage != 3:
+        raise UserError(
+            f"{where}: deepspeed.offload_optimizer = nvme needs deepspeed.stage = 3 (ZeRO-Infinity)"
+        )
+    if d.offload_param.value != "none" and d.stage != 3:
+        raise UserError(f"{where}: deepspeed.offload_param needs deepspeed.stage = 3")
+
+
+def check_precision(precision: Any, where: str) -> None:
+    """Before the model is described in ``param_dtype``."""
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        value = getattr(precision, name)
+        if value is not None:
+            try:
+                canonical = canonical_dtype(value)
+            except UserError as e:
+                raise UserError(f"{where}: precision.{name}: {e}") from None
+            if canonical not in FLOAT_DTYPES:
+                raise UserError(
+                    f"{where}: precision.{name} = {value!r} is not allowed; allowed: {', '.join(sorted(FLOAT_DTYPES))}"
+                )
+
+
+def _check_finetune_system(s: Scenario, where: str) -> None:
+    """LoRA and QLoRA are modelled in the FSDP2, DDP and FSDP1 schedules; accumulation without
+    sync in the FSDP2 and DDP ones."""
+    fsdp1 = s.parallel.fsdp_version == 1 and not s.deepspeed.enabled
+    if s.parallel.wrap is WrapPolicy.PEFT and not (fsdp1 and s.finetune.lora):
+        raise UserError(
+            f"{where}: parallel.wrap = \"peft\" is PEFT's FSDP1 policy for LoRA's adapters; it needs "
+            'parallel.fsdp_version = 1 and finetune.method = "lora" or "qlora"'
+        )
+    if fsdp1 and s.finetune.lora:
+        _check_fsdp1_lora(s, where)
+    elif s.deepspeed.enabled and s.finetune.lora:
+        raise UserError(
+            f"{where}: finetune.method = {s.finetune.method.value!r} is modelled under FSDP2, DDP and "
+            "FSDP1 (lora), not DeepSpeed (deepspeed.enabled = false)"
+        )
+    other = s.parallel.fsdp_version == 1 or s.deepspeed.enabled
+    if other and not s.training.sync_every_microbatch:
+        raise UserError(
+            f"{where}: training.sync_every_microbatch = false is modelled under FSDP2 and DDP only "
+            "(parallel.fsdp_version = 2, deepspeed.enabled = false)"
+        )
+
+
+def _check_fsdp1_mixed_precision(s: Scenario, where: str) -> None:
+    """``fsdp1.mixed_precision = false``: FSDP1 with ``mixed_precision=None`` over a model stored in
+    ``param_dtype``: LoRA's adapters stay fp32; trained whole, everything is ``param_dtype``
+    (``Scenario.master_dtype``)."""
+    if s.fsdp1.mixed_precision:
+        return
+    if s.parallel.fsdp_version != 1 or s.deepspeed.enabled:
+        raise UserError(f"{where}: fsdp1.mixed_precision = false needs parallel.fsdp_version = 1")
+    given = [
+        f"precision.{k}" for k in ("reduce_dtype", "buffer_dtype") if getattr(s.precision, k) is not None
+    ]
+    if given:
+        raise UserError(
+            f"{where}: fsdp1.mixed_precision = false reduces each FlatParameter in its own dtype and keeps "
+            f"buffers as stored; remove {' and '.join(given)}"
+        )
+
+
+def _check_fsdp1_lora(s: Scenario, where: str) -> None:
+    """FSDP1 flattens each unit into one ``FlatParameter``: one dtype, and (``use_orig_params =
+    false``) one ``requires_grad``, else ``FullyShardedDataParallel`` refuses; with
+    ``use_orig_params = true`` a unit mixing frozen and trainable weights computes, reduce-scatters
+    and keeps gradients of the frozen ones too (their views share the flat parameter's
+    ``requires_grad``), which the LoRA description does not hold. QLoRA's packed base flattens
+    with the block's norms only when ``finetune.quant_storage`` is their dtype (why FSDP-QLoRA
+    stores it in bf16)."""
+    if s.param_dtype != "fp32" and s.fsdp1.mixed_precision:
+        # measured: a real 2-rank gloo step of PEFT's fp32 adapters over a bf16 base under
+        # MixedPrecision(param_dtype=bf16) fails in its first forward ("expected m1 and m2 to have
+        # the same dtype"): PEFT casts an adapter's input to the dtype its sharded fp32 weight shows,
+        # FSDP1 hands the matmul the bf16 unsharded one
+        raise UserError(
+            f'{where}: FSDP1 with finetune.method = "lora" and precision.param_dtype = {s.param_dtype!r} '
+            "fails in the real system without autocast (PEFT casts each adapter's input to its fp32 "
+            'shard\'s dtype, FSDP1 computes with the low-precision weight); modelled: param_dtype = "fp32", '
+            "or fsdp1.mixed_precision = false (no MixedPrecision: a base stored in param_dtype, fp32 adapters)"
+        )
+    for unit in build_units(s.model, s.parallel.wrap):
+        label = "the root" if unit.is_root else f"unit {unit.name}"
+        if len({p.trainable for p in unit.params}) > 1:
+            why = (
+                "with fsdp1.use_orig_params = true FSDP1 computes and reduces the frozen weights' "
+                "gradients too, which is not modelled"
+                if s.fsdp1.use_orig_params
+                else "FSDP1 flattens only tensors of one requires_grad without fsdp1.use_orig_params"
+            )
+            raise UserError(
+                f"{where}: {label} mixes frozen and trainable parameters: {why}; set "
+                'parallel.wrap = "peft" (PEFT\'s fsdp_auto_wrap_policy: every adapter its own unit)'
+            )
+        dtypes = sorted({p.dtype or "fp32" for p in unit.params})  # trainable ones: fp32 masters
+        if len(dtypes) > 1:
+            raise UserError(
+                f"{where}: FSDP1 cannot flatten {label}: its parameters are {' and '.join(dtypes)} "
+                "(FSDP1 flattens only tensors of one dtype)"
+            )
+
+
+def check_finetune(f: FinetuneSection, param_dtype: str, fsdp_version: int, where: str) -> None:
+    """Before the model is described with these settings."""
+    if not f.lora:
+        return
+    for name in ("rank", "alpha"):
+        if getattr(f, name) <= 0:
+            raise UserError(f"{where}: finetune.{name} must be > 0, got {getattr(f, name)}")
+    if not 0 <= f.dropout < 1:
+        raise UserError(f"{where}: finetune.dropout must be in [0, 1), got {f.dropout}")
+    if f.method is FinetuneMethod.QLORA:
+        storage = ("bf16", "fp16", "fp32", "uint8")
+        try:
+            name = canonical_dtype(f.quant_storage)
+        except UserError:
+            name = ""
+        if name not in storage:
+            raise UserError(
+                f"{where}: finetune.quant_storage = {f.quant_storage!r} is not allowed; allowed: {', '.join(storage)}"
+            )
+        compute = canonical_dtype(param_dtype)
+        if name in FLOAT_DTYPES and name != compute:
+            raise UserError(
+                f"{where}: finetune.quant_storage = {name!r} differs from precision.param_dtype = "
+                f"{param_dtype!r}: FSDP2 would cast the packed 4-bit weights; use {param_dtype!r} or 'uint8'"
+            )
+        if fsdp_version == 1 and name != compute:
+            # a block's FlatParameter holds its packed weights with its norms, stored in param_dtype;
+            # checked here, before the model is described, so _check_fsdp1_lora never meets it
+            raise UserError(
+                f"{where}: FSDP1 cannot flatten the packed 4-bit weights ({name}) with the blocks' "
+                f"{compute} norms (FSDP1 flattens only tensors of one dtype); "
+                f'set finetune.quant_storage = "{compute}" (FSDP-QLoRA\'s bnb_4bit_quant_storage)'
+            )
+
+
+def _check_selective(s: Scenario, where: str) -> None:
+    value = s.checkpointing.selective
+    if value != "op" and not (isinstance(value, int) and value >= 1):
+        raise UserError(
+            f'{where}: checkpointing.selective = {value!r} is not allowed; allowed: "op" or a positive integer N '
+            "(checkpoint every N-th block)"
+        )
+
+
+def _check_use_cache(s: Scenario, where: str) -> None:
+    """model.use_cache is modelled for decoder-only models (a self-attention K/V per block); a
+    ``DynamicCache`` (model.output_format "current") with HF's eager attention under checkpointing
+    is refused: the real run fails. So is a kept output holding a DynamicCache under
+    checkpointing: each recompute attends over the cache's grown keys, which is not modelled."""
+    if not s.use_cache:
+        return
+    dynamic_under_checkpointing = (
+        s.output_format is OutputFormat.CURRENT and s.checkpointing.mode is not CheckpointMode.NONE
+    )
+    if dynamic_under_checkpointing and s.training.keep_outputs:
+        raise UserError(
+            f"{where}: training.keep_outputs with model.use_cache under checkpointing is not modelled for "
+            "transformers >= 4.36 (the kept DynamicCache grows at each recompute, which then attends over "
+            'its doubled keys); set model.output_format = "legacy" (transformers < 4.36) or model.use_cache = false'
+        )
+    if dynamic_under_checkpointing and s.training.attention is AttentionImpl.EAGER:
+        # each recompute appends its K/V to the DynamicCache again: the keys grow to twice the
+        # sequence while the causal mask built in forward stays s x s (transformers 5.24 raises
+        # "Attempting to broadcast a dimension ..." in the first recompute, measured here)
+        raise UserError(
+            f'{where}: model.use_cache with training.attention = "eager" under checkpointing fails for real '
+            "(transformers >= 4.36: each recompute appends its K/V to the DynamicCache, and the eager "
+            'attention\'s s x s mask no longer fits); set model.output_format = "legacy" (transformers < 4.36) '
+            "or model.use_cache = false"
+        )
+    d = s.model.description
+    if d is not None and d.decoder_seq_len is not None:
+        raise UserError(
+            f"{where}: model.use_cache is not modelled for encoder-decoder models ({s.model.name}: its "
+            "decoder caches self- and cross-attention K/V); set model.use_cache = false"
+        )
+
+
+def _check_decoder_seq_len(s: Scenario, where: str) -> None:
+    dec = s.training.decoder_seq_len
+    if dec is None:
+        return
+    if dec <= 0:
+        raise UserError(f"{where}: training.decoder_seq_len must be > 0, got {dec}")
+    d = s.model.description
+    if d is None or d.decoder_seq_len is None:
+        raise UserError(
+            f"{where}: training.decoder_seq_len is for encoder-decoder models (T5); model {s.model.name} "
+            "is a decoder: use training.seq_len"
+        )
+
+
+def scenario_warnings(s: Scenario, where: str) -> tuple[str, ...]:
+    """A sequence longer than the model's ``max_position_embeddings`` (a described model's config)."""
+    d = s.model.description
+    limit = d.max_position_embeddings if d is not None else None
+    if limit is not None and s.training.seq_len > limit:
+        return (
+            f"{where}: training.seq_len = {s.training.seq_len} exceeds the model's max_position_embeddings "
+            f"({limit}); it was not trained for it (RoPE scaling or a long-context variant is needed)",
+        )
+    return ()
