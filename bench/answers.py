@@ -16,35 +16,44 @@ them, in GB (10^9 B).
 import argparse
 import re
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Sequence
-from functools import cache
-from pathlib import Path
 
+from bench.answer_kit import (
+    README,
+    ROOT,
+    claim,
+    collective_s,
+    layer_op,
+    n,
+    op_seconds,
+    para,
+    pct,
+    peak_cell,
+    report,
+    result,
+    scenario,
+    t,
+    table,
+)
+from bench.answers_offload import offload_section
 from sim.core.events import MemoryCategory, OpKind
 from sim.costs.compute import OPTIMIZER_BYTES_PER_ELEMENT
 from sim.costs.one_collective import one_collective
 from sim.fileio import write_text_atomic
 from sim.hardware.registry import load_profile
-from sim.outputs.display import gib, ms
+from sim.outputs.display import gib
 from sim.outputs.memory_curve import memory_curve
-from sim.outputs.report import StepReport, build_report
-from sim.scenario.loader import load_scenario
+from sim.outputs.report import StepReport
 from sim.scenario.sections import Scenario
-from sim.simulate import SimResult, scenario_network, simulate
+from sim.simulate import scenario_network
 from sim.study.sweep.execute import run_points
 from sim.study.sweep.plan import make_plan, make_rows
 from sim.study.tune.fix import cheapest
 from sim.study.tune.search import SearchResult, Status
 from sim.study.tune.space import Candidate
 from sim.study.tune.tuner import TuneOutcome, tune
-from sim.workload.layers import LayerOp
 from sim.workload.options import CheckpointMode, OptimizerName, Strategy
-
-ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
-WIDTH = 100  # the README's line width
 
 SEED_7B = "scenarios/seed-7b-model-state.toml"
 DS_ZERO2 = ("deepspeed.enabled=true", "deepspeed.stage=2")
@@ -58,102 +67,6 @@ SCALEOUT = "scenarios/scaleout-llama3-70b.toml"
 SLOW = "scenarios/slow-rank-7b.toml"
 SWEEP = "scenarios/sweep-7b-strategies.toml"
 SEED_ESTIMATE_BYTES = 62e9  # the seed's "~62 GB" for the 4-GPU, micro-batch 32 run
-
-
-class ProseOutdated(RuntimeError):
-    """A README sentence that interprets the figures no longer holds with them."""
-
-
-def claim(holds: bool, sentence: str) -> None:
-    """Stop when the README sentence ``sentence`` (or the part of it quoted) is false."""
-    if not holds:
-        raise ProseOutdated(
-            f"no longer true with the current figures, rewrite it in bench/answers.py: {sentence!r}"
-        )
-
-
-# ---- simulations (each scenario and --set combination once per process) ----
-
-
-@cache
-def scenario(path: str, *sets: str) -> Scenario:
-    return load_scenario(ROOT / path, sets)
-
-
-@cache
-def result(path: str, *sets: str) -> SimResult:
-    return simulate(scenario(path, *sets))
-
-
-@cache
-def report(path: str, *sets: str) -> StepReport:
-    return build_report(result(path, *sets))
-
-
-def op_seconds(path: str, kind: OpKind, *sets: str) -> float:
-    """Total time of ``kind`` ops on rank 0."""
-    return sum(o.duration_s for o in result(path, *sets).events.ops_of(0) if o.kind is kind)
-
-
-def layer_op(path: str, name: str) -> LayerOp:
-    return next(o for o in result(path).layer_ops if o.name == name)
-
-
-def collective_s(r: StepReport) -> float:
-    return sum(t.time_s for t in r.collectives.values())
-
-
-# ---- formatting ----
-
-
-def t(seconds: float, digits: int = 1) -> str:
-    return ms(seconds, digits)
-
-
-def pct(x: float, digits: int = 1, sign: bool = False) -> str:
-    """``9.5 %``, ``+9.5 %`` with ``sign``, ``−1.3 %`` (a minus sign) when negative."""
-    text = f"{abs(x) * 100:.{digits}f} %"
-    if x < 0 and float(text[:-2]) != 0:
-        return "−" + text
-    return "+" + text if sign else text
-
-
-def n(x: float) -> str:
-    return f"{x:,.0f}"
-
-
-def peak_cell(r: StepReport, model_state: bool = False) -> str:
-    """``58.99 GiB``; ``161.68 GiB (does not fit)``; with ``model_state``:
-    ``164.27 GiB: does not fit (131.42 GiB model state)``."""
-    if r.fits:
-        return gib(r.peak_memory_bytes)
-    if model_state:
-        return f"{gib(r.peak_memory_bytes)}: does not fit ({gib(r.model_state.total)} model state)"
-    return f"{gib(r.peak_memory_bytes)} (does not fit)"
-
-
-_MARKDOWN_AT_LINE_START = re.compile(r"^([-+*]|\d+[.)])(\s|$)|^[#>|]")
-_GLUE = "\x00"  # a space the wrapping must not break at
-_NUMBER_UNIT = re.compile(r"(?<=\d) (?=(ms|GiB|GB/s|GB|B/param|B|%)(?![\w/]))")
-_CODE = re.compile(r"`[^`]*`")
-
-
-def para(text: str) -> str:
-    """One paragraph wrapped at the README's width, never inside a code span or between a number
-    and its unit (a wrapped line must not start like a list item or a heading)."""
-    text = " ".join(text.split())
-    text = _CODE.sub(lambda m: m.group().replace(" ", _GLUE), _NUMBER_UNIT.sub(_GLUE, text))
-    lines = textwrap.wrap(text, WIDTH, break_long_words=False, break_on_hyphens=False)
-    lines = [line.replace(_GLUE, " ") for line in lines]
-    for line in lines[1:]:
-        if _MARKDOWN_AT_LINE_START.match(line):
-            raise ValueError(f"a wrapped line would start a markdown block: {line!r}")
-    return "\n".join(lines)
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 # ---- "Scenarios and their answers" ----
@@ -647,137 +560,6 @@ def tune_example() -> str:
 
 
 # ---- FSDP2's CPU offload (README "FSDP2's CPU offload") ----
-
-QLORA, QLORA_OFFLOAD = (
-    "scenarios/qlora-llama2-70b-2x3090.toml",
-    "scenarios/qlora-llama2-70b-2x3090-offload.toml",
-)
-SWEEP_OFFLOAD = "scenarios/sweep-offload-7b.toml"
-
-
-def _copies_s(path: str, stream: str) -> float:
-    """Rank 0's time in offload copies on ``stream`` (``h2d`` / ``d2h``) per step."""
-    ops = result(path).events.ops_of(0)
-    return sum(o.duration_s for o in ops if o.kind is OpKind.OFFLOAD and o.stream.value == stream)
-
-
-def qlora_offload() -> str:
-    with_, without = report(QLORA_OFFLOAD), report(QLORA)
-    host = next(o for o in result(QLORA_OFFLOAD).events.ops_of(0) if o.kind is OpKind.OPTIMIZER)
-    rate = load_profile(scenario(QLORA_OFFLOAD).cluster.profile).node.cpu_torch_adamw_s_per_param
-    assert rate is not None
-    b = with_.breakdown
-    unlimited = report(QLORA_OFFLOAD, "fsdp1.limit_all_gathers=false")
-    prefetched = report(QLORA_OFFLOAD, "fsdp1.forward_prefetch=true")
-    claim(
-        unlimited.fits
-        and unlimited.step_time_s < with_.step_time_s
-        and unlimited.peak_memory_bytes > 1.5 * with_.peak_memory_bytes,
-        "Without the limiter ... still fits",
-    )
-    claim(prefetched.fits and prefetched.step_time_s < with_.step_time_s, "forward_prefetch = true gives")
-    claim(with_.fits and not without.fits, "with its CPU offload it fits (without, it does not)")
-    claim(b.exposed_comm_s < 0.15 * with_.step_time_s, "most of the transfers hide behind the compute")
-    return para(
-        f"""**FSDP-QLoRA of Llama-2-70B on two RTX 3090s, as the recipe runs it** (`{QLORA_OFFLOAD}`,
-        batch 2 × 512, rank 64, every block checkpointed; FSDP1 with `fsdp1.cpu_offload = true`,
-        PEFT's wrap policy, no MixedPrecision): with its CPU offload it fits,
-        {gib(with_.peak_memory_bytes)} allocated a card of {gib(with_.device_memory_bytes)} (without,
-        `{QLORA}`: {gib(without.peak_memory_bytes)}, does not fit). Each rank keeps
-        {gib(with_.host_memory_bytes)} of pinned host memory: its shard of the packed 4-bit base and
-        the adapters' fp32 weights, gradients and AdamW states; the card keeps the quantization
-        state, one block's gathered weights, the adapters' gradient shards until the backward ends,
-        and the checkpoints. A step takes {t(with_.step_time_s, 0)} ({n(with_.tokens_per_s)} tokens/s
-        for both cards): compute {t(b.compute_s, 0)}; over PCIe {gib(with_.offload_bytes["h2d"])}
-        in (every flat parameter's shard before each of its all-gathers) and
-        {gib(with_.offload_bytes["d2h"])} of gradients out a rank,
-        {t(_copies_s(QLORA_OFFLOAD, "h2d"), 0)} and {t(_copies_s(QLORA_OFFLOAD, "d2h"), 0)} at the
-        datasheet's PCIe 4.0 ×16, mostly behind the compute. {t(b.exposed_comm_s, 0)} of
-        communication is exposed, the blocks' all-gathers, in forward and in backward alike: FSDP1
-        counts each of the 960 adapter units as a unit: its rate limiter holds the host, before each
-        all-gather, until the unit freed two frees earlier is freed, which for a block is the
-        previous block's last adapter, near that block's end; and backward prefetch targets the
-        unit that ran just before in forward, the block's own last adapter, so the block before it
-        is gathered only when the block's first adapter starts its backward. Without the
-        limiter the step takes {t(unlimited.step_time_s, 0)} but the host runs ahead, as far as the
-        launch queue's thousand kernels let it, and the all-gathers with it:
-        {gib(unlimited.peak_memory_bytes)} allocated a card, {gib(unlimited.peak_reserved_bytes)}
-        reserved, which still fits;
-        `fsdp1.forward_prefetch = true` gives {t(prefetched.step_time_s, 0)} at
-        {gib(prefetched.peak_memory_bytes)}.        Then torch's AdamW over the rank's
-        {host.duration_s / rate / 1e6:.0f}M adapter parameters on the CPU takes
-        {t(host.duration_s, 0)} at this VM's measured {rate * 1e9:.1f} ns per parameter (one core a
-        rank), the step's {t(b.idle_s, 0)} of GPU idle. The CPU step is the host's: on a host with
-        more cores per GPU it shrinks accordingly (`fsdpsim calibrate host` measures it)."""
-    )
-
-
-def _sets(point: tuple[tuple[str, object], ...]) -> tuple[str, ...]:
-    """A sweep point as ``--set`` strings."""
-
-    def toml(v: object) -> str:
-        return str(v).lower() if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
-
-    return tuple(f"{k}={toml(v)}" for k, v in point)
-
-
-def _offload_system(r: StepReport, s: Scenario) -> str:
-    nodes = s.parallel.world_size // s.gpus_per_node
-    what = f"{r.system} on {s.parallel.world_size} GPUs ({nodes} node{'s' if nodes > 1 else ''})"
-    if s.parallel.cpu_offload:
-        return what + ", `CPUOffloadPolicy`"
-    if s.fsdp1.cpu_offload:
-        return what + ", `CPUOffload`"
-    if s.deepspeed.enabled and s.deepspeed.offload_optimizer.value != "none":
-        return what + ", `offload_optimizer` cpu"
-    return what + (", checkpointing" if s.checkpointing.mode is not CheckpointMode.NONE else "")
-
-
-def offload_sweep() -> str:
-    plan = make_plan(str(ROOT / SWEEP_OFFLOAD), [], [], False)
-    points = [_sets(p) for p in plan.points]
-    reports = [report(SWEEP_OFFLOAD, *sets) for sets in points]
-    base, fsdp2, fsdp1, zero2, zero3, node, ckpt = reports
-    rows = [
-        [
-            _offload_system(r, scenario(SWEEP_OFFLOAD, *sets)),
-            t(r.step_time_s),
-            n(r.tokens_per_s_per_gpu),
-            peak_cell(r),
-            gib(r.host_memory_bytes),
-        ]
-        for r, sets in zip(reports, points, strict=True)
-    ]
-    claim(not base.fits and all(r.fits for r in reports[1:]), "does not fit; every other point fits")
-    claim(
-        min(node.step_time_s, ckpt.step_time_s) < min(r.step_time_s for r in (fsdp2, fsdp1, zero2, zero3)),
-        "a second node or checkpointing is faster than any offload",
-    )
-    claim(
-        max(zero2.step_time_s, zero3.step_time_s) < min(fsdp2.step_time_s, fsdp1.step_time_s),
-        "DeepSpeed's CPU Adam beats torch's AdamW",
-    )
-    head = para(
-        f"""**Offload or add a node? Llama-2-7B on two H100s** (`{SWEEP_OFFLOAD}`, micro-batch 2 × 4096,
-        bf16, AdamW; `fsdpsim sweep` on the file):"""
-    )
-    prose = para(
-        f"""FSDP2 alone needs {gib(base.peak_memory_bytes)} a GPU. Every offload fits by moving the
-        {gib(fsdp2.host_memory_bytes)} of fp32 state a rank holds to the host, but the optimizer then
-        runs on the CPU: torch's AdamW (FSDP2's `CPUOffloadPolicy`, FSDP1's `CPUOffload`) makes the
-        step {fsdp2.step_time_s / node.step_time_s:.0f}× that of a second node, DeepSpeed's CPU Adam
-        {zero3.step_time_s / node.step_time_s:.0f}× (this VM's host, one core a rank; on a host with more cores
-        a GPU both shrink). A second node ({t(node.step_time_s)}) or checkpointing every block
-        ({t(ckpt.step_time_s)}) is the answer here."""
-    )
-    return "\n\n".join(
-        [head, table(["system", "step", "tokens/s per GPU", "peak", "host memory per rank"], rows), prose]
-    )
-
-
-def offload_section() -> str:
-    return "\n\n".join([qlora_offload(), offload_sweep()])
-
 
 # ---- the README ----
 

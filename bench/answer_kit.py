@@ -1,0 +1,118 @@
+"""What the README's generated answers are made with (``bench.answers``,
+``bench.answers_offload``): each scenario simulated once per process, the sentence checks
+(``claim``: a README sentence that no longer holds stops generation) and the README's formatting
+(times in ms, percentages, GiB cells, paragraphs wrapped at its width, tables)."""
+
+import re
+import textwrap
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+from sim.core.events import OpKind
+from sim.outputs.display import gib, ms
+from sim.outputs.report import StepReport, build_report
+from sim.scenario.loader import load_scenario
+from sim.scenario.sections import Scenario
+from sim.simulate import SimResult, simulate
+from sim.workload.layers import LayerOp
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+WIDTH = 100  # the README's line width
+
+
+class ProseOutdated(RuntimeError):
+    """A README sentence that interprets the figures no longer holds with them."""
+
+
+def claim(holds: bool, sentence: str) -> None:
+    """Stop when the README sentence ``sentence`` (or the part of it quoted) is false."""
+    if not holds:
+        raise ProseOutdated(
+            f"no longer true with the current figures, rewrite it in bench/answers.py (or answers_offload.py): {sentence!r}"
+        )
+
+
+# ---- simulations (each scenario and --set combination once per process) ----
+
+
+@cache
+def scenario(path: str, *sets: str) -> Scenario:
+    return load_scenario(ROOT / path, sets)
+
+
+@cache
+def result(path: str, *sets: str) -> SimResult:
+    return simulate(scenario(path, *sets))
+
+
+@cache
+def report(path: str, *sets: str) -> StepReport:
+    return build_report(result(path, *sets))
+
+
+def op_seconds(path: str, kind: OpKind, *sets: str) -> float:
+    """Total time of ``kind`` ops on rank 0."""
+    return sum(o.duration_s for o in result(path, *sets).events.ops_of(0) if o.kind is kind)
+
+
+def layer_op(path: str, name: str) -> LayerOp:
+    return next(o for o in result(path).layer_ops if o.name == name)
+
+
+def collective_s(r: StepReport) -> float:
+    return sum(t.time_s for t in r.collectives.values())
+
+
+# ---- formatting ----
+
+
+def t(seconds: float, digits: int = 1) -> str:
+    return ms(seconds, digits)
+
+
+def pct(x: float, digits: int = 1, sign: bool = False) -> str:
+    """``9.5 %``, ``+9.5 %`` with ``sign``, ``−1.3 %`` (a minus sign) when negative."""
+    text = f"{abs(x) * 100:.{digits}f} %"
+    if x < 0 and float(text[:-2]) != 0:
+        return "−" + text
+    return "+" + text if sign else text
+
+
+def n(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def peak_cell(r: StepReport, model_state: bool = False) -> str:
+    """``58.99 GiB``; ``161.68 GiB (does not fit)``; with ``model_state``:
+    ``164.27 GiB: does not fit (131.42 GiB model state)``."""
+    if r.fits:
+        return gib(r.peak_memory_bytes)
+    if model_state:
+        return f"{gib(r.peak_memory_bytes)}: does not fit ({gib(r.model_state.total)} model state)"
+    return f"{gib(r.peak_memory_bytes)} (does not fit)"
+
+
+_MARKDOWN_AT_LINE_START = re.compile(r"^([-+*]|\d+[.)])(\s|$)|^[#>|]")
+_GLUE = "\x00"  # a space the wrapping must not break at
+_NUMBER_UNIT = re.compile(r"(?<=\d) (?=(ms|GiB|GB/s|GB|B/param|B|%)(?![\w/]))")
+_CODE = re.compile(r"`[^`]*`")
+
+
+def para(text: str) -> str:
+    """One paragraph wrapped at the README's width, never inside a code span or between a number
+    and its unit (a wrapped line must not start like a list item or a heading)."""
+    text = " ".join(text.split())
+    text = _CODE.sub(lambda m: m.group().replace(" ", _GLUE), _NUMBER_UNIT.sub(_GLUE, text))
+    lines = textwrap.wrap(text, WIDTH, break_long_words=False, break_on_hyphens=False)
+    lines = [line.replace(_GLUE, " ") for line in lines]
+    for line in lines[1:]:
+        if _MARKDOWN_AT_LINE_START.match(line):
+            raise ValueError(f"a wrapped line would start a markdown block: {line!r}")
+    return "\n".join(lines)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
