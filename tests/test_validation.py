@@ -181,3 +181,22 @@ def test_real_fsdp1_run_matches_the_simulation(
     peak = row(result, "peak memory")
     assert abs(peak["error"]) <= 0.01, peak
     assert row(result, "step time")["predicted"] > 0
+
+
+def test_a_memory_category_too_small_a_share_of_the_peak_prints_no_error() -> None:
+    """A category under 1 % of the measured peak (ZeRO-3's few KiB of params at its peak) gets
+    "n/a", not a five-figure percentage; a larger one and the peak keep their signed errors."""
+    from validation.compare import Comparison, Row, format_markdown
+
+    gib = 2**30
+    rows = [
+        Row("peak memory", 1.0 * gib, 1.0 * gib, "B"),
+        Row("  params", 0.014 * gib, 4_000.0, "B"),  # 4 kB measured: 0.0004 % of the peak
+        Row("  activations", 0.030 * gib, 0.024 * gib, "B"),
+        Row("  grads", 0.005 * gib, 0.0, "B"),
+    ]
+    lines = format_markdown("t", Comparison(rows=rows)).splitlines()
+    cells = {
+        line.split(" | ")[0].removeprefix("| "): line.rsplit(" | ", 1)[1].rstrip(" |") for line in lines[4:]
+    }
+    assert cells == {"peak memory": "+0.0%", "  params": "n/a", "  activations": "+25.0%", "  grads": "n/a"}

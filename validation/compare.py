@@ -154,14 +154,29 @@ def compare(
     )
 
 
+# a memory category this small a share of the measured peak has no relative error worth printing
+# (DeepSpeed ZeRO-3's partitioned parameters: a few KiB its run counts as params at the peak)
+SMALL_CATEGORY_SHARE = 0.01
+
+
+def _error_text(row: Row, measured_peak: float | None) -> str:
+    """The row's signed error; "n/a" where there is none, or for a memory category under
+    ``SMALL_CATEGORY_SHARE`` of the measured peak."""
+    small = (
+        row.metric.startswith("  ") and measured_peak and row.measured < SMALL_CATEGORY_SHARE * measured_peak
+    )
+    return "n/a" if row.error is None or small else f"{row.error:+.1%}"
+
+
 def _fmt(value: float, unit: str) -> str:
     return f"{value * 1e3:,.2f} ms" if unit == "s" else f"{value / 2**30:,.3f} GiB"
 
 
 def format_markdown(title: str, comparison: Comparison) -> str:
     lines = [f"### {title}", "", "| metric | predicted | measured | error |", "|---|---|---|---|"]
+    peak = next((r.measured for r in comparison.rows if r.metric == "peak memory"), None)
     for row in comparison.rows:
-        err = "n/a" if row.error is None else f"{row.error:+.1%}"
+        err = _error_text(row, peak)
         lines.append(
             f"| {row.metric} | {_fmt(row.predicted, row.unit)} | {_fmt(row.measured, row.unit)} | {err} |"
         )
