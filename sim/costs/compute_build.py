@@ -188,6 +188,7 @@ def _llama_scales(
     profile: HardwareProfile,
     costs: ComputeCosts,
     ops: Sequence[LayerOp],
+    *,
     model: ModelConfig,
     micro_batch: int,
     seq_len: int,
@@ -195,6 +196,9 @@ def _llama_scales(
     optimizer: OptimizerName,
     allow_scaling: bool,
 ) -> dict[CalibrationGroup, GroupScale]:
+    """A preset model's scales: each group (embedding, first block, head) against its measured
+    unit; where the section was measured at other dimensions and ``allow_scaling`` (a sweep's
+    variants), the ratios found at the measured dimensions, applied to these."""
     compute = profile.compute
     assert compute is not None
     where = f"profile {profile.name}"
@@ -280,7 +284,15 @@ def build_compute_costs(
         scales, block_scales = _described_scales(costs, ops, compute)
     else:
         scales = _llama_scales(
-            profile, costs, ops, model, micro_batch, seq_len, param_dtype, optimizer, allow_scaling
+            profile,
+            costs,
+            ops,
+            model=model,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            param_dtype=param_dtype,
+            optimizer=optimizer,
+            allow_scaling=allow_scaling,
         )
     per_param = compute.fsdp_optimizer_s_per_param if fsdp else compute.optimizer_s_per_param
     optimizer_s = (
