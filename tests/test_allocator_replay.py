@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from validation.allocator_replay import replay
+from validation.allocator_trace import replay
 from validation.fsdp1_init import fsdp1_init_order, simulated_reserved_bytes
 
 MIB = 1 << 20

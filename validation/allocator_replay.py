@@ -23,61 +23,9 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from sim.core.events import Stream
 from sim.errors import UserError
-from sim.outputs.allocator import CachingAllocator
+from validation.allocator_trace import replay
 from validation.fsdp1_init import simulated_reserved_bytes
-
-STREAMS = {s.value: s for s in Stream}
-
-
-def replay(
-    events: list[tuple[str, int, int, str]],
-    step_start: int,
-    *,
-    capacity_bytes: int,
-    workspace_bytes: int,
-    steps: int,
-) -> dict[str, int]:
-    """Peak allocated and reserved bytes of the log replayed with its step ``steps`` times. What a
-    step leaves live that it allocated (an output the loop keeps) is released when the next
-    repetition starts: the log does not say when the next step would drop it (a log of
-    ``training.keep_outputs`` holds two steps, the second the steady state, for that reason)."""
-    allocator = CachingAllocator(capacity_bytes)
-    label_of: dict[int, str] = {}
-    live = peak_live = 0
-    sizes: dict[str, int] = {}
-    counter = 0
-
-    def apply(kind: str, key: int, nbytes: int, stream: str) -> None:
-        nonlocal live, peak_live, counter
-        if kind == "alloc":
-            if nbytes == 0:
-                return
-            counter += 1
-            label = f"{key}:{counter}"
-            label_of[key] = label
-            sizes[label] = nbytes
-            allocator.malloc(label, nbytes, STREAMS[stream])
-            live += nbytes
-            peak_live = max(peak_live, live)
-        elif key in label_of:
-            label = label_of.pop(key)
-            allocator.free(label)
-            live -= sizes.pop(label)
-
-    if workspace_bytes:
-        apply("alloc", -1, workspace_bytes, "compute")
-    for event in events[:step_start]:
-        apply(*event)
-    for _ in range(steps):
-        before = set(label_of.values())
-        for event in events[step_start:]:
-            apply(*event)
-        for key, label in list(label_of.items()):  # the step's leftovers, released before the next
-            if label not in before:
-                apply("free", key, 0, "")
-    return {"peak_allocated_bytes": peak_live, "peak_reserved_bytes": allocator.peak_reserved}
 
 
 @contextlib.contextmanager

@@ -5,7 +5,9 @@ at most ten minutes. Never part of CI (there is no GPU there).
    FSDP2 steps at world size 1 (bf16, fp32 reduce) for a few model sizes: step time, allocated
    and reserved peaks, predicted from the published kernel figures alone (no calibration).
 2. The same steps predicted from this machine's calibrated per-unit compute.
-3. With two or more GPUs: the NCCL collectives measured (``calibrate comm``) against the NCCL
+3. The caching allocator's model fed each step's own allocation trace (``validation.allocator_trace``):
+   its reserved and active peaks against what the GPU's allocator reserved and held.
+4. With two or more GPUs: the NCCL collectives measured (``calibrate comm``) against the NCCL
    model's prediction for the built-in profile, and a 2-rank FSDP2 step.
 Every figure goes into VALIDATION.md between markers.
 """
@@ -76,6 +78,24 @@ def _one(name: str, sets: list[str], nproc: int, profile: str, calibrated: str |
     return lines
 
 
+def allocator_line(name: str, check: dict[str, int]) -> str:
+    """One sentence: the allocator model on the GPU's own sequence against the GPU's allocator."""
+    gib = 2**30
+    reserved, replayed = check["gpu_reserved_bytes"], check["replayed_reserved_bytes"]
+    active, replayed_active = check["gpu_active_bytes"], check["replayed_active_bytes"]
+    return (
+        f"{name}: the caching allocator's model fed this GPU's own allocation trace of the run "
+        f"({check['entries']:,} entries, {check['streams']} streams) reserves {replayed / gib:.3f} GiB "
+        f"against the GPU's {reserved / gib:.3f} GiB ({replayed / reserved - 1:+.1%}); its active peak "
+        f"{replayed_active / gib:.3f} against {active / gib:.3f} GiB."
+    )
+
+
+def _allocator_check(name: str, sets: list[str]) -> str:
+    spec = {"scenario": BASE, "overrides": sets, "steps": 2, "warmup": 1, "allocator_trace": True}
+    return allocator_line(name, run_real(spec, 1, 300.0)[0]["allocator_trace"])
+
+
 def run(out: str, nproc: int) -> str:
     import torch
 
@@ -100,6 +120,7 @@ def run(out: str, nproc: int) -> str:
                 print(f"calibration failed: {e}", file=sys.stderr)
                 cal = None
             lines += _one(config, world, 1, profile, cal)
+            lines.append(_allocator_check(config, world))
         if torch.cuda.device_count() >= 2:
             lines += _one(CONFIGS[0][0], [*COMMON, *CONFIGS[0][1], "parallel.world_size=2"], 2, profile, None)
     section = "\n\n".join(lines)

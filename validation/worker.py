@@ -4,7 +4,9 @@ Measures step time and its phases, peak memory by category (FSDPMemTracker, tens
 GPU also ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``) and the collectives
 issued per step, and writes ``rank{r}.json`` into the spec's output folder. On a machine with
 CUDA it runs NCCL on ``cuda:LOCAL_RANK`` and synchronises the device around every timer; without
-CUDA it runs gloo on the CPU.
+CUDA it runs gloo on the CPU. With ``allocator_trace`` in the spec (a GPU), the caching
+allocator's history is recorded from before the model is built, and the run's own allocation
+sequence is replayed through the simulator's allocator model (``validation.allocator_trace``).
 """
 
 import contextlib
@@ -185,7 +187,14 @@ def make_trainer(scenario: Scenario) -> Any:
     return Trainer(scenario)
 
 
+# the caching allocator's history kept for the check: far more entries than a small model's run makes
+TRACE_ENTRIES = 2_000_000
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    tracing = bool(spec.get("allocator_trace")) and torch.cuda.is_available()
+    if tracing:  # no stacks: the trace only (context=None keeps recording cheap)
+        torch.cuda.memory._record_memory_history(context=None, max_entries=TRACE_ENTRIES)
     trainer = make_trainer(load_scenario(spec["scenario"], spec.get("overrides", [])))
     for i in range(spec["warmup"]):
         trainer.step(i)
@@ -213,9 +222,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         with timed_collectives(records):
             trainer.step(spec["warmup"] + spec["steps"] + 3)
         timeline = {"phases": trainer.marks, "collectives": records}
+    allocator: dict[str, int] = {}
+    if tracing:
+        from validation.allocator_trace import check_trace
+
+        index = trainer.device.index or 0
+        entries = torch.cuda.memory._snapshot(trainer.device)["device_traces"][index]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        allocator = check_trace(entries, torch.cuda.get_device_properties(trainer.device).total_memory)
+        allocator["traced_entries_limit"] = TRACE_ENTRIES
     return {
         "rank": trainer.rank,
         "step_times_s": times,
+        "allocator_trace": allocator,
         "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
         "collectives": counts,
         "memory_peak": memory,
