@@ -15,7 +15,7 @@ from sim.outputs.report import StepReport, build_report
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.simulate import SimResult, simulate
-from sim.workload.layers import LayerOp
+from sim.workload.layer_op import LayerOp
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -32,7 +32,8 @@ from sim.workload.checkpointing import block_input_bytes, checkpoint_plan, kv_ca
 from sim.workload.expert_parallel import expert_parallel_view, split_at_experts
 from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
-from sim.workload.layers import LayerOp, float_mask_bytes, model_buffer_bytes, output_logits_bytes
+from sim.workload.layer_op import LayerOp
+from sim.workload.layers import float_mask_bytes, model_buffer_bytes, output_logits_bytes
 from sim.workload.model import ModelConfig
 from sim.workload.options import AttentionImpl, OutputFormat, Strategy, WrapPolicy
 from sim.workload.shapes import Workload

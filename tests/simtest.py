@@ -32,7 +32,7 @@ def make_scenario(**sections: dict[str, Any]) -> Scenario:
 def elementwise_op(name: str, **fields: Any) -> Any:
     """A ``LayerOp`` of no FLOPs and no parameters (an elementwise op of block 0), with ``fields``
     (its saved bytes, its orders of requests) set over it."""
-    from sim.workload.layers import LayerKind, LayerOp
+    from sim.workload.layer_op import LayerKind, LayerOp
 
     base: dict[str, Any] = {
         "name": name,
@@ -79,7 +79,7 @@ def synthetic_compute_section(scenario: Scenario, profile: HardwareProfile, fact
     from sim.costs.compute_build import build_compute_costs
     from sim.dtypes import dtype_bytes
     from sim.workload.forward import layer_ops
-    from sim.workload.layers import CalibrationGroup
+    from sim.workload.layer_op import CalibrationGroup
     from sim.workload.shapes import Workload
 
     t = scenario.training

@@ -15,7 +15,7 @@ from sim.costs.compute_build import build_compute_costs
 from sim.hardware.registry import load_profile
 from sim.scenario.loader import load_scenario
 from sim.workload.described import described_layer_ops
-from sim.workload.layers import CalibrationGroup, LayerKind
+from sim.workload.layer_op import CalibrationGroup, LayerKind
 from sim.workload.options import OptimizerName
 from sim.workload.shapes import Workload
 

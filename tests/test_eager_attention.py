@@ -14,7 +14,8 @@ from sim.workload.described import float_mask_count
 from sim.workload.description import parse_description
 from sim.workload.eager_attention import eager_score_bytes
 from sim.workload.forward import layer_ops
-from sim.workload.layers import LayerKind, float_mask_bytes
+from sim.workload.layer_op import LayerKind
+from sim.workload.layers import float_mask_bytes
 from sim.workload.model import ModelConfig
 from sim.workload.shapes import AttentionShape, Workload
 

@@ -11,7 +11,8 @@ from sim.hardware.compute_section import parse_compute_section
 from sim.hardware.registry import load_profile
 from sim.outputs.report import build_report
 from sim.simulate import simulate
-from sim.workload.layers import LayerKind, llama_layer_ops
+from sim.workload.layer_op import LayerKind
+from sim.workload.layers import llama_layer_ops
 from sim.workload.model import preset
 from sim.workload.options import LossKernel
 from sim.workload.shapes import Workload

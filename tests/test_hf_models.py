@@ -16,7 +16,7 @@ from sim.scenario.loader import load_scenario
 from sim.workload.description import parse_description
 from sim.workload.flops import matmul_params
 from sim.workload.forward import layer_ops
-from sim.workload.layers import LayerKind
+from sim.workload.layer_op import LayerKind
 from sim.workload.model import PRESETS, ModelConfig, n_params
 from sim.workload.options import WrapPolicy
 from sim.workload.shapes import Workload

@@ -1,6 +1,6 @@
 """The caching allocator's view of a step: requests in the host's order, record_stream frees held
 until the recording stream passes (``sim.core.host_clock``), and the launch queue that bounds how
-far the host runs ahead (``sim.schedule.base.LAUNCH_QUEUE_DEPTH``)."""
+far the host runs ahead (``sim.schedule.emit.LAUNCH_QUEUE_DEPTH``)."""
 
 import pytest
 
@@ -12,7 +12,7 @@ from sim.outputs.allocator import allocator_order, peak_active_bytes
 from sim.outputs.memory_curve import memory_curve
 from sim.outputs.report import build_report
 from sim.scenario.loader import scenario_from_dict
-from sim.schedule.base import LAUNCH_QUEUE_DEPTH
+from sim.schedule.emit import LAUNCH_QUEUE_DEPTH
 from sim.simulate import simulate
 from validation.published_memory import GIB, MEMORY_RUNS
 

@@ -15,7 +15,7 @@ from sim.workload.eager_attention import (
     eager_score_requests,
     eager_score_saved_pieces,
 )
-from sim.workload.layers import LayerOp
+from sim.workload.layer_op import LayerOp
 from sim.workload.shapes import AttentionShape, Workload
 
 MiB = 1 << 20

@@ -132,7 +132,7 @@ def test_saves_are_freed_by_their_first_savers_backward() -> None:
     later ops' own saves, a save whose first saver is a later op of the segment from that op's
     backward on, and one whose first saver is in a later segment from the start."""
     from sim.costs.compute import ComputeCosts, Roofline
-    from sim.workload.layers import LayerOp
+    from sim.workload.layer_op import LayerOp
     from sim.workload.units import Segment
 
     def op(name: str, saved: int, transient: int, ahead: tuple[tuple[int, int], ...] = ()) -> LayerOp:

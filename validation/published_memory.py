@@ -313,7 +313,7 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "parameters and flat gradients with `record_stream` (the compute and post-backward streams), so a "
         "block the host has dropped stays active until the device gets there, and the host runs ahead of "
         "the device as far as the rate limiter and the launch queue let it (`LAUNCH_QUEUE_DEPTH`, "
-        "`sim/schedule/base.py`). The simulator's active peak of that row is at "
+        "`sim/schedule/emit.py`). The simulator's active peak of that row is at "
         f"`{at.split(':')[0]}` (the optimizer step's foreach temporaries), issued while the device "
         f"is still reducing the last units: {held['flat_grad'] / GIB:.2f} GiB of flat gradients and "
         f"{held['unsharded_flat_param'] / GIB:.2f} GiB of unsharded parameters held for the device (the "

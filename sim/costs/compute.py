@@ -23,7 +23,8 @@ from typing import Protocol
 
 from sim.core.events import RequestOrder
 from sim.costs.request_order import backward_order, request_order
-from sim.workload.layers import ATTENTION_LAUNCHES, CalibrationGroup, LayerOp, figure_tensors
+from sim.workload.layer_op import CalibrationGroup, LayerOp, figure_tensors
+from sim.workload.layers import ATTENTION_LAUNCHES
 from sim.workload.options import OptimizerName
 from sim.workload.units import Segment
 
@@ -137,7 +138,7 @@ class SegmentFigures:
     grad_numel: int = 0  # trainable elements of the segment's ops
 
     def tensors(self, figure: str) -> tuple[int, ...]:
-        """One byte figure's tensors (``sim.workload.layers.figure_tensors``)."""
+        """One byte figure's tensors (``sim.workload.layer_op.figure_tensors``)."""
         return figure_tensors(self, figure)
 
     def backward_held(self, grad_bytes: int) -> tuple[int, tuple[int, ...]]:

@@ -15,7 +15,7 @@ from sim.hardware.compute_section import MODEL_FIELDS, ComputeSection, UnitMeasu
 from sim.hardware.schema import DeviceSpec, HardwareProfile
 from sim.workload.description import finetune_fingerprint
 from sim.workload.forward import layer_ops
-from sim.workload.layers import CalibrationGroup, LayerOp
+from sim.workload.layer_op import CalibrationGroup, LayerOp
 from sim.workload.model import ModelConfig
 from sim.workload.options import OptimizerName
 from sim.workload.shapes import Workload

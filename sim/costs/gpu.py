@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from sim.dtypes import dtype_bytes
 from sim.hardware.schema import AttentionCurve, DeviceSpec
-from sim.workload.layers import LayerKind, LayerOp
+from sim.workload.layer_op import LayerKind, LayerOp
 from sim.workload.shapes import AttentionShape
 
 TILE_M, TILE_N = 256, 128  # cuBLAS's largest CTA tile (NVIDIA Matrix Multiplication Background guide)

@@ -11,7 +11,7 @@ functions join them into one ``RequestOrder`` per buffer, which ``sim.outputs.al
 from collections.abc import Sequence
 
 from sim.core.events import RequestOrder
-from sim.workload.layers import LayerOp
+from sim.workload.layer_op import LayerOp
 
 
 def request_order(ops: Sequence[LayerOp], figure: str, *, all_kept: bool = False) -> RequestOrder | None:

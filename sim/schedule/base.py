@@ -1,31 +1,25 @@
-"""What every training schedule shares, written once: compute-stream ops in host order, the
-forward pass of one segment (with activation checkpointing's block inputs), the recomputation of
-a checkpointed block, the backward pass of one segment, and the optimizer step.
+"""What every training schedule shares, written once (on ``sim.schedule.emit.OpEmitter``, which
+puts ops into the program): the forward pass of one segment (with activation checkpointing's
+block inputs), the recomputation of a checkpointed block, the backward pass of one segment, and
+the optimizer step.
 
 A schedule (``sim.schedule.fsdp2``, ``sim.schedule.ddp``, and those to come) extends
 ``ScheduleBuilder`` with its communication and parameter handling, through the hooks named
 ``_on_*``. Per-micro-batch state is a fresh dataclass per micro-batch, never reset in place.
 """
 
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 from sim.core.events import MemoryCategory, OpKind, RequestOrder, Stream
 from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.dtypes import dtype_bytes
+from sim.schedule.emit import OpEmitter
 from sim.schedule.model_state import numel_per_rank, optimizer_tensor_numels, resident_allocs
 from sim.schedule.step import StepConfig
-from sim.workload.layers import LayerKind
+from sim.workload.layer_op import LayerKind
 from sim.workload.options import OptimizerName
 from sim.workload.units import ROOT, input_needs_grad
-
-# Kernels one stream's launch queue holds: launching into a stream stays asynchronous (4-5 us a
-# launch) for about the first 1000 pending kernels, after which each launch waits for a kernel to
-# finish; each stream has its own queue (measured, stackoverflow.com/questions/53970187 and NVIDIA
-# developer forums t/68937, "CUDA stream are blocked when launch lots of kernels (>1000)"). It
-# bounds how far the host runs ahead of the compute stream where nothing else stops it.
-LAUNCH_QUEUE_DEPTH = 1000
 
 
 @dataclass(kw_only=True)
@@ -64,216 +58,33 @@ class UnitLayout:
         )
 
 
-class ScheduleBuilder:
+def _cache_appends(cfg: StepConfig) -> bool:
+    """Whether each recompute appends its block's K/V to the cache again: a ``DynamicCache``
+    (every block is given it) under checkpointing."""
+    return bool(cfg.kv_cache_bytes and cfg.checkpoint.blocks and cfg.kv_cache_in_block_inputs)
+
+
+def _previous_output(cfg: StepConfig) -> list[Alloc]:
+    """training.keep_outputs: the output the previous micro-batch left the loop holding, as
+    this one will leave it (steady state): its logits, and a KV cache's every block's K/V
+    (twice a checkpointed block's where a ``DynamicCache`` took each recompute's again)."""
+    if not cfg.kept_output_bytes:
+        return []
+    cache = sum(cfg.kv_cache_bytes)
+    if _cache_appends(cfg):
+        cache += sum(b for block, b in enumerate(cfg.kv_cache_bytes) if cfg.checkpoint.covers(block))
+    nbytes = cfg.kept_output_bytes + cache
+    return [Alloc(label="previous_output", category=MemoryCategory.ACTIVATIONS, bytes=nbytes, carried=True)]
+
+
+class ScheduleBuilder(OpEmitter):
     def __init__(self, cfg: StepConfig):
-        self.cfg = cfg
-        self.program = Program(initial=resident_allocs(cfg) + self._previous_output())
+        super().__init__(cfg, Program(initial=resident_allocs(cfg) + _previous_output(cfg)))
         # training.keep_outputs: the labels of the output the loop holds, and the micro-batch
         # whose cache it holds (freed when the next forward returns)
         self.held_output: list[str] = ["previous_output"] if cfg.kept_output_bytes else []
         self.held_cache: Activations | None = None
-        self.compute_waits: list[int] = []  # ops the next compute-stream op waits for
         self.grad_labels: list[str] = []  # gradients the optimizer step consumes
-        self.host_cursor: int | None = None  # the host's last op: nothing it issues starts before
-        self.last_collective: dict[GroupKind, int] = {}  # one communicator per group: issue order
-        self.compute_tail = -1  # the compute stream's last op
-        # the compute ops whose kernels may still sit in the launch queue, oldest first, and their
-        # kernels in all
-        self.launched: deque[tuple[int, int]] = deque()
-        self.launches_pending = 0
-        self._counter = 0
-
-    def _previous_output(self) -> list[Alloc]:
-        """training.keep_outputs: the output the previous micro-batch left the loop holding, as
-        this one will leave it (steady state): its logits, and a KV cache's every block's K/V
-        (twice a checkpointed block's where a ``DynamicCache`` took each recompute's again)."""
-        cfg = self.cfg
-        if not cfg.kept_output_bytes:
-            return []
-        cache = sum(cfg.kv_cache_bytes)
-        if self._cache_appends():
-            cache += sum(b for block, b in enumerate(cfg.kv_cache_bytes) if cfg.checkpoint.covers(block))
-        nbytes = cfg.kept_output_bytes + cache
-        return [
-            Alloc(label="previous_output", category=MemoryCategory.ACTIVATIONS, bytes=nbytes, carried=True)
-        ]
-
-    def label(self, what: str, unit: str, mb: int) -> str:
-        """A buffer label unique within the program."""
-        self._counter += 1
-        return f"{what}:{unit}:mb{mb}:{self._counter}"
-
-    def host(self, name: str, unit: str, mb: int, duration_s: float, *, deps: tuple[int, ...] = ()) -> None:
-        """Host work (eager dispatch, FSDP2's hooks) on the host stream, which runs ahead of the
-        device: what the host issues after it cannot start before it ends (nor it before ``deps``)."""
-        if duration_s > 0:
-            self.host_cursor = self.program.emit(
-                stream=Stream.HOST,
-                kind=OpKind.HOST,
-                name=name,
-                unit=unit,
-                microbatch=mb,
-                duration_s=duration_s,
-                deps=deps,
-            )
-
-    def _launch_slot(self, launches: int) -> tuple[int, ...]:
-        """The compute op the host must see finish before it can launch ``launches`` more kernels
-        into the compute stream's queue (``LAUNCH_QUEUE_DEPTH``), if any."""
-        wait: tuple[int, ...] = ()
-        while self.launched and self.launches_pending + launches > LAUNCH_QUEUE_DEPTH:
-            op, count = self.launched.popleft()
-            self.launches_pending -= count
-            wait = (op,)
-        return wait
-
-    def host_wait(self, name: str, op: int, mb: int) -> None:
-        """The host blocks until ``op`` has run (``event.synchronize()``, a blocking copy): nothing it
-        issues afterwards starts before."""
-        self.host_cursor = self.program.emit(
-            stream=Stream.HOST,
-            kind=OpKind.HOST,
-            name=name,
-            unit=ROOT,
-            microbatch=mb,
-            duration_s=0.0,
-            deps=self.issued((op,)),
-        )
-
-    def issued(self, deps: tuple[int, ...]) -> tuple[int, ...]:
-        """``deps`` and the host's position: an op cannot start before the host has issued it."""
-        return deps if self.host_cursor is None else (*deps, self.host_cursor)
-
-    def compute(
-        self,
-        kind: OpKind,
-        name: str,
-        unit: str,
-        mb: int,
-        duration_s: float,
-        *,
-        deps: tuple[int, ...] = (),
-        allocs: tuple[Alloc, ...] = (),
-        frees: tuple[str, ...] = (),
-        end_allocs: tuple[Alloc, ...] = (),
-        start_frees: tuple[str, ...] = (),
-        host_s: float = 0.0,
-        launches: int = 0,
-    ) -> int:
-        """An op on the compute stream, after ``host_s`` of host dispatch launching ``launches``
-        kernels (where the launch queue is full, the dispatch first waits for room); it also waits
-        for whatever the host last waited on."""
-        queued = host_s > 0 and launches > 0  # a host that is the device has no launch queue
-        self.host(f"dispatch {name}", unit, mb, host_s, deps=self._launch_slot(launches) if queued else ())
-        deps = self.issued(deps + tuple(self.compute_waits))
-        self.compute_waits = []
-        self.compute_tail = self.program.emit(
-            stream=Stream.COMPUTE,
-            kind=kind,
-            name=name,
-            unit=unit,
-            microbatch=mb,
-            duration_s=duration_s,
-            deps=deps,
-            allocs=allocs,
-            frees=frees,
-            end_allocs=end_allocs,
-            start_frees=start_frees,
-            launches=launches,
-        )
-        if queued:
-            self.launched.append((self.compute_tail, launches))
-            self.launches_pending += launches
-        return self.compute_tail
-
-    def collective(
-        self,
-        kind: OpKind,
-        stream: Stream,
-        unit: str,
-        nbytes: int,
-        group: GroupKind,
-        dtype: str,
-        *,
-        mb: int,
-        deps: tuple[int, ...],
-        allocs: tuple[Alloc, ...] = (),
-        frees: tuple[str, ...] = (),
-        end_allocs: tuple[Alloc, ...] = (),
-        extra_s: float = 0.0,
-        name: str | None = None,
-    ) -> int:
-        """A collective on ``stream``, after the previous collective of its group; on a backend that
-        stages collectives (gloo), with a temporary as large as its input or output. ``extra_s``:
-        work on the same stream just before it (a cast, a copy-in), part of the op's time."""
-        deps = self.issued(deps)
-        if group in self.last_collective:
-            deps = (*deps, self.last_collective[group])
-        if self.cfg.collective_temp_buffers:
-            temp = self.label(f"{kind.value}_temp", unit, mb)
-            allocs = (*allocs, Alloc(label=temp, category=MemoryCategory.COMM_BUFFERS, bytes=nbytes))
-            frees = (*frees, temp)
-        cost = self.cfg.collective(kind.value, nbytes, group, dtype)
-        op = self.program.emit(
-            stream=stream,
-            kind=kind,
-            name=name or f"{kind.value} {unit}",
-            unit=unit,
-            microbatch=mb,
-            duration_s=cost.time_s + extra_s,
-            deps=deps,
-            allocs=allocs,
-            frees=frees,
-            end_allocs=end_allocs,
-            group=group,
-            bytes=nbytes,
-            algorithm=cost.algorithm,
-            protocol=cost.protocol,
-            channels=cost.channels,
-            wire_fraction=cost.wire_fraction,
-        )
-        self.last_collective[group] = op
-        return op
-
-    def transfer(
-        self,
-        stream: Stream,
-        name: str,
-        unit: str,
-        mb: int,
-        nbytes: int,
-        duration_s: float,
-        *,
-        deps: tuple[int, ...] = (),
-        allocs: tuple[Alloc, ...] = (),
-        frees: tuple[str, ...] = (),
-    ) -> int:
-        """An offload copy (PCIe or NVMe) of ``nbytes`` on its own stream."""
-        return self.program.emit(
-            stream=stream,
-            kind=OpKind.OFFLOAD,
-            name=name,
-            unit=unit,
-            microbatch=mb,
-            duration_s=duration_s,
-            deps=self.issued(deps),
-            allocs=allocs,
-            frees=frees,
-            bytes=nbytes,
-        )
-
-    def host_optimizer(self, name: str, mb: int, duration_s: float, deps: tuple[int, ...]) -> int:
-        """The optimizer stepping on the host CPU (offload): the host is busy, issuing nothing."""
-        self.host_cursor = self.program.emit(
-            stream=Stream.HOST,
-            kind=OpKind.OPTIMIZER,
-            name=name,
-            unit=ROOT,
-            microbatch=mb,
-            duration_s=duration_s,
-            deps=self.issued(deps),
-        )
-        return self.host_cursor
 
     def checkpointed(self, i: int) -> bool:
         return self.cfg.checkpoint.covers(self.cfg.segments[i].block)
@@ -448,15 +259,9 @@ class ScheduleBuilder:
         (transformers < 4.36: each block returns its (k, v), which no block is given again; it
         dies with the model's output at the forward's end, after the loss, measured on 4.31); or
         a kept output, which holds the cache longer (``training.keep_outputs``)."""
-        if not self._cache_appends() or self.cfg.kept_output_bytes:
+        if not _cache_appends(self.cfg) or self.cfg.kept_output_bytes:
             return None
         return min(self.cfg.checkpoint.blocks)
-
-    def _cache_appends(self) -> bool:
-        """Whether each recompute appends its block's K/V to the cache again: a ``DynamicCache``
-        (every block is given it) under checkpointing."""
-        cfg = self.cfg
-        return bool(cfg.kv_cache_bytes and cfg.checkpoint.blocks and cfg.kv_cache_in_block_inputs)
 
     def _next_region_checkpointed(self, i: int) -> bool:
         """Whether the ops right after segment ``i``'s block are a checkpoint region too (the
@@ -473,7 +278,7 @@ class ScheduleBuilder:
         backward has run), and is dropped as the recompute starts."""
         selective = self.cfg.checkpoint.selective_op
         start_frees = tuple(acts.kept_after_block.pop(block, ()))
-        cache = self.cfg.kv_cache_bytes[block] if self._cache_appends() else 0
+        cache = self.cfg.kv_cache_bytes[block] if _cache_appends(self.cfg) else 0
         for i, seg in enumerate(self.cfg.segments):
             if seg.block != block:
                 continue

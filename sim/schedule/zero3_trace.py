@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from sim.core.events import OpKind
 from sim.schedule.step import StepConfig
-from sim.workload.layers import LayerKind, LayerOp
+from sim.workload.layer_op import LayerKind, LayerOp
 from sim.workload.model import ParamSpec
 
 

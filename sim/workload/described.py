@@ -21,7 +21,8 @@ from sim.workload.attention_kernel import (
 )
 from sim.workload.description import DescribedOp, ModelDescription
 from sim.workload.finetune import FinetuneFacts, dequant_bytes, dequant_transient_bytes
-from sim.workload.layers import LayerKind, LayerOp, _sac_kept
+from sim.workload.layer_op import LayerKind, LayerOp
+from sim.workload.layers import _sac_kept
 from sim.workload.params import ParamSpec
 from sim.workload.shapes import AttentionShape, Request, Workload
 

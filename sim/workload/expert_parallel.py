@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from math import ceil, prod
 
-from sim.workload.layers import LayerKind, LayerOp
+from sim.workload.layer_op import LayerKind, LayerOp
 from sim.workload.params import ParamSpec
 from sim.workload.units import Segment, WrapUnit
 

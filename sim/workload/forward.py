@@ -3,7 +3,8 @@
 
 from sim.errors import UserError
 from sim.workload.described import described_layer_ops
-from sim.workload.layers import LayerOp, llama_layer_ops
+from sim.workload.layer_op import LayerOp
+from sim.workload.layers import llama_layer_ops
 from sim.workload.model import ModelConfig
 from sim.workload.options import LossKernel, NormKernel
 from sim.workload.shapes import Workload

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cache
 from math import ceil, prod
 
-from sim.workload.layers import LayerOp
+from sim.workload.layer_op import LayerOp
 from sim.workload.model import ModelConfig, ParamSpec, layer_prefix, param_specs
 from sim.workload.options import WrapPolicy
 
