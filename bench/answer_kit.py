@@ -1,5 +1,5 @@
 """What the README's generated answers are made with (``bench.answers``,
-``bench.answers_offload``): each scenario simulated once per process, the sentence checks
+``bench.answers_offload``, ``bench.answers_tools``): each scenario simulated once per process, the sentence checks
 (``claim``: a README sentence that no longer holds stops generation) and the README's formatting
 (times in ms, percentages, GiB cells, paragraphs wrapped at its width, tables)."""
 
@@ -10,16 +10,20 @@ from functools import cache
 from pathlib import Path
 
 from sim.core.events import OpKind
+from sim.costs.one_collective import one_collective
+from sim.hardware.registry import load_profile
 from sim.outputs.display import gib, ms
 from sim.outputs.report import StepReport, build_report
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
-from sim.simulate import SimResult, simulate
+from sim.simulate import SimResult, scenario_network, simulate
 from sim.workload.layer_op import LayerOp
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 WIDTH = 100  # the README's line width
+NODE_7B = "scenarios/llama2-7b-8xh100-zero3.toml"  # one 8-GPU node (answers and the tune example)
+SCALEOUT = "scenarios/scaleout-llama3-70b.toml"  # Llama 3 70B from 8 to 1,024 ranks (idem)
 
 
 class ProseOutdated(RuntimeError):
@@ -30,7 +34,7 @@ def claim(holds: bool, sentence: str) -> None:
     """Stop when the README sentence ``sentence`` (or the part of it quoted) is false."""
     if not holds:
         raise ProseOutdated(
-            f"no longer true with the current figures, rewrite it in bench/answers.py (or answers_offload.py): {sentence!r}"
+            f"no longer true with the current figures, rewrite it in bench/answers.py (or answers_offload.py, answers_tools.py): {sentence!r}"
         )
 
 
@@ -116,3 +120,12 @@ def para(text: str) -> str:
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def world_busbw(path: str, *sets: str) -> float:
+    """NCCL's model's bus bandwidth of a 1 GiB all-gather over every rank of the scenario."""
+    s = scenario(path, *sets)
+    profile = load_profile(s.cluster.profile)
+    network = scenario_network(s, profile)
+    assert network is not None
+    return one_collective("all_gather", 1 << 30, profile, network).busbw_Bps
