@@ -27,7 +27,8 @@ per wrapped module (``fsdp/_flat_param.py``):
   once its unit's inputs have their gradients, i.e. right after its backward; where no input needs
   one (the first block, fed by the frozen embedding; the root) the final callback's catch-all does.
   Its unsharded flat parameter is in its own dtype, cast only where that differs from ``param_dtype``.
-Collectives of one process group run one at a time in issue order (one communicator).
+Collectives of one process group run one at a time in issue order (one communicator). The
+flat parameters' facts are ``sim.schedule.fsdp1_flat``'s, the reduction ``sim.schedule.fsdp1_reduce``'s.
 """
 
 from collections import deque
@@ -38,7 +39,9 @@ from sim.core.events import OpKind, Stream
 from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.schedule.base import Activations, ScheduleBuilder, UnitLayout
-from sim.schedule.model_state import fsdp1_unit_trains, numel_per_rank, unit_dtype, unit_stored_bytes
+from sim.schedule.fsdp1_flat import FlatParams
+from sim.schedule.fsdp1_reduce import GradientReduction
+from sim.schedule.model_state import numel_per_rank
 from sim.schedule.step import StepConfig
 from sim.workload.options import BackwardPrefetch, Fsdp1Options
 from sim.workload.units import ROOT
@@ -66,28 +69,15 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         assert cfg.fsdp1 is not None
         self.opts: Fsdp1Options = cfg.fsdp1
         self.layout = UnitLayout.of(cfg)
-        self.flat = {u.name: cfg.flat_numel(u) for u in cfg.units}
-        # FSDP1 clamps any strategy to NO_SHARD on a one-rank process group (``_init_core_state``):
-        # HSDP with one-rank shard groups then all-reduces within that group and never across replicas
-        self.sharded = cfg.sharded and cfg.shard_size > 1
-        self.reduce_group = GroupKind.SHARD if cfg.sharded else GroupKind.REPLICATE
-        self.w = cfg.shard_size if self.sharded else 1
-        # the flat parameter's own dtype (uniform within a unit), and whether it trains
-        self.stored = {u.name: unit_stored_bytes(cfg, u) for u in cfg.units}
-        self.trains = {u.name: fsdp1_unit_trains(u) for u in cfg.units}
-        # without MixedPrecision each flat parameter gathers, computes and reduces in its own dtype
-        mp = self.opts.mixed_precision
-        self.param_bytes = {u: cfg.param_bytes if mp else b for u, b in self.stored.items()}
-        self.reduce_bytes = {u: cfg.reduce_bytes if mp else b for u, b in self.stored.items()}
-        self.param_dtype = {u.name: cfg.param_dtype if mp else unit_dtype(cfg, u) for u in cfg.units}
-        self.reduce_dtype = {u.name: cfg.reduce_dtype if mp else unit_dtype(cfg, u) for u in cfg.units}
+        self.flat = FlatParams.of(cfg)
+        self.reduction = GradientReduction(
+            builder=self, flat=self.flat, padded=self.layout.padded, offload=self.opts.offload_params
+        )
         self.catch_all: list[str] = []  # frozen units the final callback's catch-all reshards
         self.free_events: deque[int] = deque()  # the rate limiter's queue of free events
         self.last_unshard: int | None = None  # the unshard stream's last op: what compute waits for
         self.unshard_after: int | None = None  # the unshard streams wait for this compute op
         self.last_compute: int | None = None
-        self.reductions: list[int] = []
-        self.offloaded_grads: list[str] = []  # CPUOffload: device _saved_grad_shard, freed after backward
         self.mb = Microbatch(index=0)
         # each block's own unit: the owner of its first segment (the root's under ``linear`` wrap)
         self.block_owner: dict[int | None, str] = {}
@@ -113,16 +103,9 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         pinned ``_cpu_grad``) and the optimizer steps the CPU shards (``torch.optim.AdamW``)."""
         cfg = self.cfg
         last = self.compute(OpKind.COPY, "prepare_gradient_for_optim", ROOT, cfg.grad_accum - 1, 0.0)
-        self.program.add_frees(last, *self.offloaded_grads)
-        self.host_cursor = self.program.emit(
-            stream=Stream.HOST,
-            kind=OpKind.OPTIMIZER,
-            name="optimizer step (CPU)",
-            unit=ROOT,
-            microbatch=cfg.grad_accum - 1,
-            duration_s=cfg.host_costs.cpu_torch_optimizer_s(cfg.optimizer, numel_per_rank(cfg)),
-            deps=self.issued((last,)),
-        )
+        self.program.add_frees(last, *self.reduction.offloaded_grads)
+        cost_s = cfg.host_costs.cpu_torch_optimizer_s(cfg.optimizer, numel_per_rank(cfg))
+        self.host_optimizer("optimizer step (CPU)", cfg.grad_accum - 1, cost_s, (last,))
 
     def _compute(self, op: int) -> int:
         self.last_compute = op
@@ -140,9 +123,9 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         if already:
             return
         deps: tuple[int, ...] = (self.unshard_after,) if self.unshard_after is not None else ()
-        shard = self.layout.padded[unit] // self.w
-        if not self.sharded:
-            if self._mixed(unit):
+        shard = self.layout.padded[unit] // self.flat.shard_size
+        if not self.flat.sharded:
+            if self.flat.mixed(unit):
                 self._cast_unsharded(unit, shard, deps)
             return
         allocs, frees, cast_s, deps = self._pre_unshard(unit, shard, deps)
@@ -151,15 +134,20 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         # made on the unshard stream, used on the compute stream: ``_free_unsharded_flat_param``
         # records the compute stream before freeing it
         allocs.append(
-            Alloc(label=label, category=Mem.PARAMS, bytes=padded * self.param_bytes[unit], record_stream=True)
+            Alloc(
+                label=label,
+                category=Mem.PARAMS,
+                bytes=padded * self.flat.param_bytes[unit],
+                record_stream=True,
+            )
         )
         self.last_unshard = self.collective(
             OpKind.ALL_GATHER,
             Stream.ALL_GATHER,
             unit,
-            padded * self.param_bytes[unit],
+            padded * self.flat.param_bytes[unit],
             GroupKind.SHARD,
-            self.param_dtype[unit],
+            self.flat.param_dtype[unit],
             mb=mb.index,
             deps=deps,
             allocs=tuple(allocs),
@@ -167,10 +155,6 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
             extra_s=cast_s,
         )
         mb.unsharded[unit] = label
-
-    def _mixed(self, unit: str) -> bool:
-        """``_uses_param_mixed_precision``: the flat parameter's dtype is not ``param_dtype``."""
-        return self.stored[unit] != self.param_bytes[unit]
 
     def _pre_unshard(
         self, unit: str, shard: int, deps: tuple[int, ...]
@@ -183,9 +167,9 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         cast_s = 0.0
         if self.opts.offload_params:
             copy = self.label("offloaded_shard_on_device", unit, mb.index)
-            deps = (self._h2d(unit, shard * self.stored[unit], copy, deps),)  # the shard as stored
+            deps = (self._h2d(unit, shard * self.flat.stored_bytes[unit], copy, deps),)  # the shard as stored
             frees.append(copy)
-        if self._mixed(unit):
+        if self.flat.mixed(unit):
             cast = self.label("mp_shard", unit, mb.index)
             # the all-gather reads it on the unshard stream (``record_stream`` in
             # ``_use_unsharded_flat_param``)
@@ -195,7 +179,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
                 )
             )
             frees.append(cast)
-            cast_s = cfg.costs.copy_s(shard * max(cfg.param_bytes, self.stored[unit]))
+            cast_s = cfg.costs.copy_s(shard * max(cfg.param_bytes, self.flat.stored_bytes[unit]))
         return allocs, frees, cast_s, deps
 
     def _cast_unsharded(self, unit: str, numel: int, deps: tuple[int, ...]) -> None:
@@ -208,7 +192,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
             name=f"cast {unit}",
             unit=unit,
             microbatch=mb.index,
-            duration_s=cfg.costs.copy_s(numel * self.stored[unit]),
+            duration_s=cfg.costs.copy_s(numel * self.flat.stored_bytes[unit]),
             deps=self.issued(deps),
             allocs=(Alloc(label=label, category=Mem.PARAMS, bytes=numel * cfg.param_bytes),),
         )
@@ -229,7 +213,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         op = self.transfer(
             Stream.D2H, f"d2h gradient {unit}", unit, self.mb.index, nbytes, d2h_s, deps=(after,)
         )
-        self.reductions.append(op)  # the final callback synchronises on it
+        self.reduction.reductions.append(op)  # the final callback synchronises on it
         return op
 
     def _host_wait(self, op: int) -> None:
@@ -246,7 +230,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         done, and queue that free for the rate limiter; NO_SHARD frees its low-precision copy."""
         mb = self.mb
         mb.prefetched.discard(unit)
-        low_precision_no_shard = not self.sharded and self._mixed(unit)
+        low_precision_no_shard = not self.flat.sharded and self.flat.mixed(unit)
         if unit not in mb.unsharded or not (free or low_precision_no_shard):
             return
         self.program.add_frees(after, mb.unsharded.pop(unit))
@@ -279,7 +263,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
     def _post_forward(self, unit: str, after: int) -> None:
         mb = self.mb
         mb.post_forward_order.append(unit)
-        free = unit != ROOT and self.sharded and self.cfg.strategy.reshards_after_forward
+        free = unit != ROOT and self.flat.sharded and self.cfg.strategy.reshards_after_forward
         self._reshard(unit, free=free, after=after)
         mb.needs_pre_backward.add(unit)
 
@@ -331,7 +315,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         unit = self.cfg.segments[i].unit
         if not self._recompute_hooks_run(i) or i != self.layout.last_seg[unit]:
             return
-        self._reshard(unit, free=self.sharded and self.cfg.strategy.reshards_after_forward, after=op)
+        self._reshard(unit, free=self.flat.sharded and self.cfg.strategy.reshards_after_forward, after=op)
         self.mb.needs_pre_backward.add(unit)
 
     # -- backward ----------------------------------------------------------------------------
@@ -373,14 +357,14 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
                 self.recompute_block(seg.block, mb.index, mb)  # type: ignore[arg-type]
                 recomputed.add(seg.block)  # type: ignore[arg-type]
             end_allocs: tuple[Alloc, ...] = ()
-            if self.trains[seg.unit]:
-                grad_bytes = sum(p.numel for p in cfg.gradient_params[i]) * self.param_bytes[seg.unit]
+            if self.flat.trains[seg.unit]:
+                grad_bytes = sum(p.numel for p in cfg.gradient_params[i]) * self.flat.param_bytes[seg.unit]
                 grads = self.label("view_grads", seg.unit, mb.index)
                 mb.view_grads[seg.unit].append(grads)
                 end_allocs = (Alloc(label=grads, category=Mem.GRADS, bytes=grad_bytes),)
             op = self._compute(self.backward_segment(i, mb.index, mb, end_allocs=end_allocs))
             if i == layout.first_seg[seg.unit]:
-                if self.trains[seg.unit]:
+                if self.flat.trains[seg.unit]:
                     self._post_backward(seg.unit)
                 else:
                     self._post_backward_reshard_only(seg.unit, op)
@@ -395,17 +379,17 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         self.host(
             f"fsdp1 post-backward reshard {unit}", unit, self.mb.index, self.cfg.costs.fsdp_backward_host_s
         )
-        self._reshard(unit, free=self.sharded, after=after)
+        self._reshard(unit, free=self.flat.sharded, after=after)
         if self.opts.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch_backward(unit)
 
     def _final_callback(self) -> None:
         """The root's final callback: the compute stream waits for the reductions, then
         ``_catch_all_reshard`` frees what no hook resharded."""
-        self.compute_waits = list(self.reductions)
+        self.compute_waits = list(self.reduction.reductions)
         if self.catch_all and self.last_compute is not None:
             for unit in self.catch_all:
-                self._reshard(unit, free=self.sharded, after=self.last_compute)
+                self._reshard(unit, free=self.flat.sharded, after=self.last_compute)
         self.catch_all = []
 
     def _post_backward(self, unit: str) -> None:
@@ -413,8 +397,8 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         reshard and prefetch, then the reduction on the post-backward stream."""
         cfg, mb = self.cfg, self.mb
         self.host(f"fsdp1 post-backward {unit}", unit, mb.index, cfg.costs.fsdp_backward_host_s)
-        flat_bytes = self.flat[unit] * self.param_bytes[unit]
-        final = not self.sharded and mb.index == 0 and self.param_bytes[unit] == cfg.master_bytes
+        flat_bytes = self.flat.numel[unit] * self.flat.param_bytes[unit]
+        final = not self.flat.sharded and mb.index == 0 and self.flat.param_bytes[unit] == cfg.master_bytes
         flat_grad = self.label("grads" if final else "flat_grad", unit, mb.index)
         if final:  # NO_SHARD in fp32: the flat gradient is the .grad the optimizer reads
             self.grad_labels.append(flat_grad)
@@ -432,136 +416,16 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
                 frees=tuple(mb.view_grads.pop(unit)),
             )
         )
-        self._reshard(unit, free=self.sharded, after=cat)
+        self._reshard(unit, free=self.flat.sharded, after=cat)
         if self.opts.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch_backward(unit)
-        if self.sharded:
-            self._reduce_scatter(unit, cat, flat_grad)
-        else:
-            self._all_reduce(unit, cat, None if final else flat_grad)
-
-    def _reduce_inputs(self, unit: str, flat_grad: str) -> tuple[list[Alloc], list[str], float]:
-        """The reduce-scatter's inputs: the cast to ``reduce_dtype`` and the world-size pad, each a
-        new tensor freed with the flat gradient when the reduction is done (``record_stream``)."""
-        cfg, mb = self.cfg, self.mb
-        padded, flat = self.layout.padded[unit], self.flat[unit]
-        param_b, reduce_b = self.param_bytes[unit], self.reduce_bytes[unit]
-        allocs: list[Alloc] = []
-        frees, extra_s = [flat_grad], 0.0
-        if param_b != reduce_b:  # flat_param.grad.to(reduce_dtype)
-            cast = self.label("reduce_dtype_grad", unit, mb.index)
-            allocs.append(Alloc(label=cast, category=Mem.COMM_BUFFERS, bytes=flat * reduce_b))
-            frees.append(cast)
-            extra_s += cfg.costs.copy_s(flat * max(param_b, reduce_b))
-        if padded > flat:  # F.pad to a multiple of the world size
-            pad = self.label("padded_grad", unit, mb.index)
-            allocs.append(Alloc(label=pad, category=Mem.COMM_BUFFERS, bytes=padded * reduce_b))
-            frees.append(pad)
-            extra_s += cfg.costs.copy_s(padded * reduce_b)
-        return allocs, frees, extra_s
-
-    def _reduce_output(self, unit: str, shard: int) -> tuple[Alloc, tuple[Alloc, ...], float]:
-        """The new shard the reduce-scatter writes, and (first micro-batch, cast dtype) the fp32
-        tensor that becomes ``_saved_grad_shard`` after it."""
-        cfg, mb = self.cfg, self.mb
-        reduce_b = self.reduce_bytes[unit]
-        is_saved = mb.index == 0 and reduce_b == cfg.master_bytes  # becomes _saved_grad_shard
-        out = self.label("sharded_grads" if is_saved else "reduce_scatter_output", unit, mb.index)
-        category = Mem.GRADS if is_saved else Mem.COMM_BUFFERS
-        keep = self.offloaded_grads if self.opts.offload_params else self.grad_labels
-        if is_saved:
-            keep.append(out)
-            return Alloc(label=out, category=category, bytes=shard * reduce_b), (), 0.0
-        saved: tuple[Alloc, ...] = ()
-        if mb.index == 0:  # cast back to fp32: the new tensor is _saved_grad_shard
-            label = self.label("sharded_grads", unit, mb.index)
-            keep.append(label)
-            saved = (Alloc(label=label, category=Mem.GRADS, bytes=shard * cfg.master_bytes),)
-        extra_s = cfg.costs.copy_s(shard * cfg.master_bytes) if saved else 0.0
-        return Alloc(label=out, category=category, bytes=shard * reduce_b), saved, extra_s
-
-    def _reduce_scatter(self, unit: str, after: int, flat_grad: str) -> None:
-        """``_reduce_grad``: cast, pad, reduce-scatter (HSDP: all-reduce), cast back, accumulate."""
-        cfg, mb = self.cfg, self.mb
-        padded = self.layout.padded[unit]
-        shard = padded // self.w
-        allocs, frees, extra_s = self._reduce_inputs(unit, flat_grad)
-        out, saved, cast_s = self._reduce_output(unit, shard)
-        extra_s += cast_s
-        output_frees = (out.label,) if out.category is Mem.COMM_BUFFERS else ()
-        rs = self.collective(
-            OpKind.REDUCE_SCATTER,
-            Stream.REDUCE_SCATTER,
-            unit,
-            padded * self.reduce_bytes[unit],
-            GroupKind.SHARD,
-            self.reduce_dtype[unit],
-            mb=mb.index,
-            deps=(after,),
-            allocs=(*allocs, out),
-            frees=tuple(frees) + (() if cfg.hybrid else output_frees),
-            end_allocs=() if cfg.hybrid else saved,
-            extra_s=0.0 if cfg.hybrid else extra_s,
-        )
-        last = rs
-        if cfg.hybrid:
-            last = self.collective(
-                OpKind.ALL_REDUCE,
-                Stream.ALL_REDUCE,
-                unit,
-                shard * self.reduce_bytes[unit],
-                GroupKind.REPLICATE,
-                self.reduce_dtype[unit],
-                mb=mb.index,
-                deps=(rs,),
-                frees=output_frees,
-                end_allocs=saved,
-                extra_s=extra_s,
-            )
-        self.reductions.append(last)
+        if not self.flat.sharded:
+            self.reduction.all_reduce(unit, mb.index, cat, None if final else flat_grad)
+            return
+        last = self.reduction.reduce_scatter(unit, mb.index, cat, flat_grad)
         if self.opts.offload_params:
+            shard = self.layout.padded[unit] // self.flat.shard_size
             self._d2h(unit, shard * cfg.master_bytes, last)
-
-    def _all_reduce(self, unit: str, after: int, flat_grad: str | None) -> None:
-        """``_reduce_grad_no_shard``: the whole flat gradient all-reduced in ``reduce_dtype`` and
-        cast back to fp32; from the second micro-batch autograd accumulates into ``.grad`` first."""
-        cfg, mb = self.cfg, self.mb
-        flat = self.flat[unit]
-        param_b, reduce_b = self.param_bytes[unit], self.reduce_bytes[unit]
-        allocs: list[Alloc] = []
-        frees: list[str] = []
-        saved: tuple[Alloc, ...] = ()
-        if flat_grad is not None:
-            frees.append(flat_grad)
-        if reduce_b != param_b:
-            buffer = self.label("reduce_dtype_grad", unit, mb.index)
-            becomes_grad = mb.index == 0 and reduce_b == cfg.master_bytes
-            category = Mem.GRADS if becomes_grad else Mem.COMM_BUFFERS
-            allocs.append(Alloc(label=buffer, category=category, bytes=flat * reduce_b))
-            if becomes_grad:
-                self.grad_labels.append(buffer)
-            else:
-                frees.append(buffer)
-        if mb.index == 0 and param_b != cfg.master_bytes and reduce_b != cfg.master_bytes:
-            label = self.label("grads", unit, mb.index)
-            self.grad_labels.append(label)
-            saved = (Alloc(label=label, category=Mem.GRADS, bytes=flat * cfg.master_bytes),)
-        self.reductions.append(
-            self.collective(
-                OpKind.ALL_REDUCE,
-                Stream.ALL_REDUCE,
-                unit,
-                flat * reduce_b,
-                self.reduce_group,
-                self.reduce_dtype[unit],
-                mb=mb.index,
-                deps=(after,),
-                allocs=tuple(allocs),
-                frees=tuple(frees),
-                end_allocs=saved,
-                extra_s=cfg.costs.copy_s(flat * reduce_b) if allocs or saved else 0.0,
-            )
-        )
 
 
 def build_fsdp1_program(cfg: StepConfig) -> Program:
