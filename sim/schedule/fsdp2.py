@@ -28,7 +28,8 @@ FSDP2 issues neither all-gather nor reduce-scatter: ``wait_for_unshard`` copies 
 parameter into its unsharded storage, and ``foreach_reduce`` copies the reduce-scatter input into
 its output (``_fsdp_param_group.py`` / ``_fsdp_collectives.py``, ``world_size == 1``).
 With ``CPUOffloadPolicy`` the shards come from the host before each all-gather and the reduced
-gradients go back after each reduction (``sim.schedule.fsdp2_offload``).
+gradients go back after each reduction (``sim.schedule.fsdp2_offload``). The parameter groups
+and their buffers' bytes are ``sim.schedule.fsdp2_params``'s, the reduction ``sim.schedule.fsdp2_reduce``'s.
 """
 
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.schedule.base import Activations, ScheduleBuilder, UnitLayout
 from sim.schedule.fsdp2_offload import OffloadCopies
-from sim.schedule.fsdp2_params import EXPERTS, UnitBytes, param_groups
+from sim.schedule.fsdp2_params import EXPERTS, ParamGroups
+from sim.schedule.fsdp2_reduce import GradientReduction
 from sim.schedule.model_state import numel_per_rank
 from sim.schedule.step import StepConfig
 from sim.workload.expert_parallel import is_expert_segment
@@ -68,29 +70,17 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
     def __init__(self, cfg: StepConfig):
         super().__init__(cfg)
         self.layout = UnitLayout.of(cfg)
-        groups = {u.name: param_groups(cfg, u) for u in cfg.units}
-        self.groups = {unit: tuple(g for g, _ in gs) for unit, gs in groups.items()}  # unit -> its groups
-        self.unit_of = {g: unit for unit, gs in self.groups.items() for g in gs}
-        # each group's parameters' bytes by dtype, its shard group's size and kind
-        self.sizes = {g: UnitBytes.of(cfg, params) for gs in groups.values() for g, params in gs}
-        self.w = {
-            g: cfg.shard_size // (cfg.expert_parallel if g.endswith(EXPERTS) else 1) for g in self.unit_of
-        }
-        self.kind = {
-            g: GroupKind.EXPERT_SHARD if g.endswith(EXPERTS) else GroupKind.SHARD for g in self.unit_of
-        }
-        self.reductions: list[int] = []  # every reduction so far: the final callback waits for them
-        self.accumulated: dict[str, str] = {}  # unit -> its unsharded gradients kept across micro-batches
-        self.reduced: set[str] = set()  # units reduced once already (their sharded gradients exist)
+        self.pg = ParamGroups.of(cfg)
         self.mb = Microbatch(index=0)
         offload = cfg.fsdp2_offload
         # CPUOffloadPolicy where the device is not the host: shards on the host, copies over PCIe
         self.offload = OffloadCopies(self, offload.pin_memory) if offload and cfg.fsdp2_host_state else None
+        self.reduction = GradientReduction(builder=self, groups=self.pg, offload=self.offload)
         self.exchanged: list[str] = []  # all-to-all outputs the next compute op consumes
 
     def build(self) -> Program:
         for index in range(self.cfg.grad_accum):
-            self.mb = Microbatch(index=index, unsharded_grads={g: [] for g in self.unit_of})
+            self.mb = Microbatch(index=index, unsharded_grads={g: [] for g in self.pg.unit_of})
             self._forward()
             self._backward()
         self.optimizer_step()
@@ -99,7 +89,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
     # -- unshard ---------------------------------------------------------------------------
 
     def _unshard_unit(self, unit: str, *, reverse: bool = False) -> None:
-        for g in reversed(self.groups[unit]) if reverse else self.groups[unit]:
+        for g in reversed(self.pg.of_unit[unit]) if reverse else self.pg.of_unit[unit]:
             self._unshard(g)
 
     def _unshard(self, unit: str) -> None:
@@ -108,10 +98,10 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         mb = self.mb
         if unit in mb.unsharded or unit in mb.pending:
             return
-        if self.w[unit] == 1:  # no all-gather: the copy happens in wait_for_unshard
+        if self.pg.shard_size[unit] == 1:  # no all-gather: the copy happens in wait_for_unshard
             mb.pending[unit] = (None, None)
             return
-        cfg, sizes = self.cfg, self.sizes[unit]
+        cfg, sizes = self.cfg, self.pg.sizes[unit]
         out = self.label("all_gather_output", unit, mb.index)
         allocs = [Alloc(label=out, category=Mem.COMM_BUFFERS, bytes=sizes.gather)]
         frees: list[str] = []
@@ -136,9 +126,9 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         op = self.collective(
             OpKind.ALL_GATHER,
             Stream.ALL_GATHER,
-            self.unit_of[unit],
+            self.pg.unit_of[unit],
             sizes.gather,
-            GroupKind.POST_FORWARD if from_slice else self.kind[unit],
+            GroupKind.POST_FORWARD if from_slice else self.pg.kind[unit],
             cfg.param_dtype,
             mb=self.mb.index,
             deps=deps,
@@ -164,7 +154,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             frees.append(out)
         if unit in mb.post_forward:  # to_unsharded drops the post-forward slice after the copy-out
             frees.append(mb.post_forward.pop(unit))
-        nbytes = self.sizes[unit].gather
+        nbytes = self.pg.sizes[unit].gather
         params = self.label("unsharded_params", unit, mb.index)
         # FSDP2's per-unit host work in forward rides on the pre-forward copy-out
         host_s = self.cfg.costs.fsdp_forward_overhead_s if forward else 0.0
@@ -172,7 +162,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         copy_out = self.compute(
             OpKind.COPY,
             name,
-            self.unit_of[unit],
+            self.pg.unit_of[unit],
             mb.index,
             self.cfg.costs.copy_s(nbytes) + host_s,
             deps=(ag_op,) if ag_op is not None else (),
@@ -201,7 +191,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
 
     def _pre_forward(self, unit: str) -> None:
         self.host(f"fsdp2 pre-forward {unit}", unit, self.mb.index, self.cfg.costs.fsdp_forward_host_s)
-        for g in self.groups[unit]:  # each FSDPParamGroup's pre_forward: unshard, wait
+        for g in self.pg.of_unit[unit]:  # each FSDPParamGroup's pre_forward: unshard, wait
             self._unshard(g)
             self._wait_for_unshard(g, forward=True)
         units = self.layout.forward_units
@@ -218,7 +208,9 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             if seg.unit != ROOT and i == layout.first_seg[seg.unit]:
                 self._pre_forward(seg.unit)
             post_forward = seg.unit != ROOT and i == layout.last_seg[seg.unit]
-            resharded = [g for g in self.groups[seg.unit] if g in mb.unsharded and cfg.reshard_after_forward]
+            resharded = [
+                g for g in self.pg.of_unit[seg.unit] if g in mb.unsharded and cfg.reshard_after_forward
+            ]
             resharded = resharded if post_forward else []
             slices = cfg.post_forward_size is not None
             frees = [] if slices else [mb.unsharded.pop(g) for g in resharded]
@@ -272,7 +264,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
     def _slice_bytes(self, unit: str) -> int:
         """A unit's post-forward slice: 1/k of its unsharded parameters (k divides the padding)."""
         assert self.cfg.post_forward_size is not None
-        return self.sizes[unit].gather // self.cfg.post_forward_size
+        return self.pg.sizes[unit].gather // self.cfg.post_forward_size
 
     def _reshard_to_slice(self, unit: str) -> None:
         """``to_sharded_post_forward``: clone this rank's 1/k of the unsharded parameters, then
@@ -298,7 +290,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         if unit in mb.pre_backward_done:
             return
         mb.pre_backward_done.add(unit)
-        for g in self.groups[unit]:
+        for g in self.pg.of_unit[unit]:
             self._unshard(g)
             self._wait_for_unshard(g, forward=False)
         order = mb.post_forward_order
@@ -313,7 +305,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         seg = self.cfg.segments[i]
         unit = seg.unit
         if unit != ROOT and unit not in self.mb.pre_backward_done:
-            for g in self.groups[unit]:
+            for g in self.pg.of_unit[unit]:
                 self._unshard(g)
                 self._wait_for_unshard(g, forward=True)
         if is_expert_segment(seg, self.cfg.expert_modules):
@@ -362,150 +354,21 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             return
         mb.post_backward_done.add(unit)
         self.host(f"fsdp2 post-backward {unit}", unit, mb.index, self.cfg.costs.fsdp_backward_host_s)
-        for g in reversed(self.groups[unit]):  # autograd runs the last group's hook first
+        for g in reversed(self.pg.of_unit[unit]):  # autograd runs the last group's hook first
             self._post_backward_group(g, after)
 
-    def _post_backward_group(self, unit: str, after: int) -> None:
-        """One parameter group's ``post_backward`` (``unit``: the group's name)."""
-        cfg, mb, owner = self.cfg, self.mb, self.unit_of[unit]
-        padded = self.sizes[unit].grad_padded
-        shard = padded // self.w[unit]
-        grads = mb.unsharded_grads.pop(unit)
+    def _post_backward_group(self, group: str, after: int) -> None:
+        """One parameter group's ``post_backward``: its unsharded parameters and gradients dropped,
+        the gradients reduced (``sim.schedule.fsdp2_reduce``)."""
+        mb = self.mb
+        grads = mb.unsharded_grads.pop(group)
         frees = list(grads)
-        if unit in mb.unsharded:
-            frees.append(mb.unsharded.pop(unit))
-        if not padded:  # no gradient: FSDP2 reshards and returns before reducing
+        if group in mb.unsharded:
+            frees.append(mb.unsharded.pop(group))
+        if not self.pg.sizes[group].grad_padded:  # no gradient: FSDP2 reshards and returns before reducing
             self.program.add_frees(after, *frees)
             return
-        if not (cfg.sync_every_microbatch or mb.index == cfg.grad_accum - 1):
-            self._accumulate(unit, frees)
-            return
-        added: list[str] = []
-        if unit in self.accumulated:  # this backward's gradients are added into the kept ones first
-            added = grads
-            frees = [f for f in frees if f not in added] + [self.accumulated.pop(unit)]
-        # one reduce-scatter input in flight (set_reduce_scatter_max_input_buffers): the compute
-        # stream waits for the previous reduce-scatter and drops its input before allocating this one
-        deps, released = [op for op, _ in mb.rs_states], [label for _, label in mb.rs_states]
-        mb.rs_states = []
-        rs_input = self.label("reduce_scatter_input", unit, mb.index)
-        # the copy-in, and FSDP2's per-unit host work in backward (pre-backward unshard, post-backward reduce)
-        copy_in_s = (
-            cfg.costs.copy_s(padded * max(cfg.param_bytes, cfg.reduce_bytes))
-            + cfg.costs.fsdp_backward_overhead_s
-        )
-        allocs, output_frees = self._reduce_outputs(unit, shard)
-        copy_in = self.compute(
-            OpKind.COPY,
-            f"reduce_scatter copy-in {unit}",
-            owner,
-            mb.index,
-            copy_in_s,
-            deps=tuple(deps),
-            start_frees=(*released, *added),
-            allocs=(Alloc(label=rs_input, category=Mem.COMM_BUFFERS, bytes=padded * cfg.reduce_bytes),),
-            frees=tuple(frees),
-        )
-        mb.rs_states.append((self._reduce(unit, copy_in, shard, allocs, output_frees), rs_input))
-
-    def _reduce(
-        self, unit: str, copy_in: int, shard: int, allocs: tuple[Alloc, ...], output_frees: tuple[str, ...]
-    ) -> int:
-        """The reduce-scatter (a copy on one rank), HSDP's all-reduce, and with CPU offload the copy of
-        the reduced shard to the host on the post-reduce stream; returns the reduce-scatter
-        (``unit``: the parameter group's name)."""
-        cfg, mb, owner = self.cfg, self.mb, self.unit_of[unit]
-        padded = shard * self.w[unit]
-        tail = (
-            ()
-            if self.offload is None or self.offload.reduce_stream_tail is None
-            else (self.offload.reduce_stream_tail,)
-        )
-        device_frees, output_frees = (output_frees, ()) if self.offload is not None else ((), output_frees)
-        rs_frees = () if cfg.hybrid else output_frees
-        if self.w[unit] == 1:  # no reduce-scatter: the input is copied into the output
-            rs = self.compute(
-                OpKind.COPY,
-                f"reduce copy {unit}",
-                owner,
-                mb.index,
-                cfg.costs.copy_s(padded * cfg.reduce_bytes),
-                deps=(copy_in,),
-                allocs=allocs,
-                frees=rs_frees,
-            )
-        else:
-            rs = self.collective(
-                OpKind.REDUCE_SCATTER,
-                Stream.REDUCE_SCATTER,
-                owner,
-                padded * cfg.reduce_bytes,
-                self.kind[unit],
-                cfg.reduce_dtype,
-                mb=self.mb.index,
-                deps=(copy_in,) if cfg.hybrid else (copy_in, *tail),
-                allocs=allocs,
-                frees=rs_frees,
-                name=f"reduce_scatter {unit}",
-            )
-        last = rs
-        if cfg.hybrid:
-            last = self.collective(
-                OpKind.ALL_REDUCE,
-                Stream.ALL_REDUCE,
-                owner,
-                shard * cfg.reduce_bytes,
-                GroupKind.REPLICATE,
-                cfg.reduce_dtype,
-                mb=self.mb.index,
-                deps=(rs, *tail),
-                frees=output_frees,
-            )
-        if self.offload is not None:  # the post-reduce event is recorded after the copy to the host
-            last = self.offload.d2h(unit, mb.index, shard * cfg.master_bytes, last, device_frees)
-        self.reductions.append(last)
-        return rs
-
-    def _accumulate(self, unit: str, frees: list[str]) -> None:
-        """``set_requires_gradient_sync(False)``: post-backward reshards and keeps the unsharded
-        gradients (``to_accumulated_grad_if_needed``: cast to ``reduce_dtype`` when it differs), and
-        later micro-batches add theirs into them; one reduction on the last micro-batch."""
-        cfg, mb = self.cfg, self.mb
-        acc_bytes = cfg.reduce_bytes if cfg.reduce_dtype != cfg.param_dtype else cfg.param_bytes
-        nbytes = self.sizes[unit].grad_numel * acc_bytes
-        allocs: tuple[Alloc, ...] = ()
-        if unit not in self.accumulated:
-            self.accumulated[unit] = self.label("accumulated_grads", unit, mb.index)
-            allocs = (Alloc(label=self.accumulated[unit], category=Mem.GRADS, bytes=nbytes),)
-        self.compute(
-            OpKind.COPY,
-            f"accumulate grads {unit}",
-            self.unit_of[unit],
-            mb.index,
-            cfg.costs.copy_s(nbytes),
-            allocs=allocs,
-            frees=tuple(frees),
-        )
-
-    def _reduce_outputs(self, unit: str, shard: int) -> tuple[tuple[Alloc, ...], tuple[str, ...]]:
-        """The sharded gradients (the unit's first reduction) and, when cast or accumulated, a
-        separate reduce-scatter output freed once the reduction is done."""
-        cfg, mb = self.cfg, self.mb
-        allocs, frees = [], []
-        if self.offload is not None:  # CPUOffloadPolicy: the sharded gradients live on the host
-            out = self.label("reduce_scatter_output", unit, mb.index)
-            return (Alloc(label=out, category=Mem.COMM_BUFFERS, bytes=shard * cfg.reduce_bytes),), (out,)
-        first = unit not in self.reduced
-        self.reduced.add(unit)
-        if first:
-            grads = self.label("sharded_grads", unit, mb.index)
-            self.grad_labels.append(grads)
-            allocs.append(Alloc(label=grads, category=Mem.GRADS, bytes=shard * cfg.master_bytes))
-        if not first or cfg.reduce_bytes != cfg.master_bytes:
-            out = self.label("reduce_scatter_output", unit, mb.index)
-            allocs.append(Alloc(label=out, category=Mem.COMM_BUFFERS, bytes=shard * cfg.reduce_bytes))
-            frees.append(out)
-        return tuple(allocs), tuple(frees)
+        mb.rs_states = self.reduction.post_backward(group, mb.index, grads, frees, mb.rs_states)
 
     def _final_callback(self, last_op: int) -> None:
         """The root's final callback: pending reductions (root first), the last reduce-scatter
@@ -518,7 +381,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         released = self._release_deferred()
         if released is not None:
             self.program.add_frees(last_op, released)
-        self.compute_waits = list(self.reductions)
+        self.compute_waits = list(self.reduction.reductions)
 
     def optimizer_step(self) -> None:
         if self.offload is None:

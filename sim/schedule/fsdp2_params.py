@@ -6,6 +6,7 @@ by the FSDP2 schedule (``sim.schedule.fsdp2``).
 
 from dataclasses import dataclass
 
+from sim.core.topology import GroupKind
 from sim.dtypes import FLOAT_DTYPES
 from sim.schedule.fsdp2_offload import OffloadBytes
 from sim.schedule.model_state import stored_bytes
@@ -73,3 +74,29 @@ def param_groups(cfg: StepConfig, unit: WrapUnit) -> tuple[tuple[str, tuple[Para
         return ((unit.name, unit.params),)
     dense = tuple(p for p in unit.params if p.name not in cfg.expert_params)
     return ((unit.name, dense), (unit.name + EXPERTS, experts))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamGroups:
+    """Every unit's FSDPParamGroups (``param_groups``): their names, the unit each belongs to, its
+    buffers' bytes, and the size and kind of the group of ranks it is sharded over."""
+
+    of_unit: dict[str, tuple[str, ...]]  # unit -> its groups' names, in registration order
+    unit_of: dict[str, str]  # group -> its unit
+    sizes: dict[str, UnitBytes]
+    shard_size: dict[str, int]  # the experts' over ``world / E`` ranks, the rest over the world
+    kind: dict[str, GroupKind]
+
+    @staticmethod
+    def of(cfg: StepConfig) -> "ParamGroups":
+        groups = {u.name: param_groups(cfg, u) for u in cfg.units}
+        unit_of = {g: unit for unit, gs in groups.items() for g, _ in gs}
+        return ParamGroups(
+            of_unit={unit: tuple(g for g, _ in gs) for unit, gs in groups.items()},
+            unit_of=unit_of,
+            sizes={g: UnitBytes.of(cfg, params) for gs in groups.values() for g, params in gs},
+            shard_size={
+                g: cfg.shard_size // (cfg.expert_parallel if g.endswith(EXPERTS) else 1) for g in unit_of
+            },
+            kind={g: GroupKind.EXPERT_SHARD if g.endswith(EXPERTS) else GroupKind.SHARD for g in unit_of},
+        )
