@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.costs.collectives import bus_factor
-from sim.costs.nccl import ChannelGraph, nccl_choice, nvls_graph, ring_graph
+from sim.costs.nccl import nccl_choice
+from sim.costs.nccl_graph import ChannelGraph, nvls_graph, ring_graph
 from sim.hardware.cluster import load_cluster
 from sim.hardware.network import job_network
 from sim.hardware.registry import load_profile
