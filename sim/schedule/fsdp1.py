@@ -207,15 +207,6 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
             Stream.H2D, f"h2d {unit}", unit, self.mb.index, nbytes, h2d_s, deps=deps, allocs=(alloc,)
         )
 
-    def _d2h(self, unit: str, nbytes: int, after: int) -> int:
-        """``_offload_grad``: the sharded gradient copied out to its pinned ``_cpu_grad``."""
-        d2h_s = self.cfg.host_costs.d2h_s(nbytes)
-        op = self.transfer(
-            Stream.D2H, f"d2h gradient {unit}", unit, self.mb.index, nbytes, d2h_s, deps=(after,)
-        )
-        self.reduction.reductions.append(op)  # the final callback synchronises on it
-        return op
-
     def _host_wait(self, op: int) -> None:
         """The rate limiter: the host blocks until ``op`` has run (``event.synchronize()``)."""
         self.host_wait("fsdp1 rate limiter", op, self.mb.index)
@@ -422,10 +413,7 @@ class Fsdp1ScheduleBuilder(ScheduleBuilder):
         if not self.flat.sharded:
             self.reduction.all_reduce(unit, mb.index, cat, None if final else flat_grad)
             return
-        last = self.reduction.reduce_scatter(unit, mb.index, cat, flat_grad)
-        if self.opts.offload_params:
-            shard = self.layout.padded[unit] // self.flat.shard_size
-            self._d2h(unit, shard * cfg.master_bytes, last)
+        self.reduction.reduce_scatter(unit, mb.index, cat, flat_grad)
 
 
 def build_fsdp1_program(cfg: StepConfig) -> Program:

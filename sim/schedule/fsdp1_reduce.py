@@ -23,13 +23,13 @@ class GradientReduction:
     builder: ScheduleBuilder
     flat: FlatParams
     padded: dict[str, int]  # unit -> its flat parameter's elements padded to the world size
-    offload: bool  # CPUOffload: the sharded gradients are copied to the host after the step's backward
+    offload: bool  # CPUOffload: each reduced shard is copied to the host
     reductions: list[int] = field(default_factory=list)  # every one so far: the final callback waits
     offloaded_grads: list[str] = field(default_factory=list)  # CPUOffload: the device _saved_grad_shard
 
-    def reduce_scatter(self, unit: str, mb: int, after: int, flat_grad: str) -> int:
-        """``_reduce_grad``: cast, pad, reduce-scatter (HSDP: all-reduce), cast back, accumulate;
-        returns the last reduction."""
+    def reduce_scatter(self, unit: str, mb: int, after: int, flat_grad: str) -> None:
+        """``_reduce_grad``: cast, pad, reduce-scatter (HSDP: all-reduce), cast back, accumulate,
+        and with CPUOffload the copy of the new shard to the host."""
         b, cfg, flat = self.builder, self.builder.cfg, self.flat
         padded = self.padded[unit]
         shard = padded // flat.shard_size
@@ -67,7 +67,11 @@ class GradientReduction:
                 extra_s=extra_s,
             )
         self.reductions.append(last)
-        return last
+        if self.offload:  # ``_offload_grad``: the sharded gradient copied out to its pinned ``_cpu_grad``
+            nbytes = shard * cfg.master_bytes
+            d2h_s = cfg.host_costs.d2h_s(nbytes)
+            d2h = b.transfer(Stream.D2H, f"d2h gradient {unit}", unit, mb, nbytes, d2h_s, deps=(last,))
+            self.reductions.append(d2h)  # the final callback synchronises on it
 
     def all_reduce(self, unit: str, mb: int, after: int, flat_grad: str | None) -> None:
         """``_reduce_grad_no_shard``: the whole flat gradient all-reduced in ``reduce_dtype`` and
