@@ -16,7 +16,8 @@ intervals are the same on every rank, so the slowdown of compute is one piecewis
 for all ranks and the sharing is worked out once per collective.
 
 It writes the full records of a few ranks (rank 0, the slowest and fastest to finish, the one
-with the largest memory peak) and per-rank figures for every rank (``EventTable.rank_summaries``).
+with the largest memory peak) and per-rank figures for every rank (``EventTable.rank_summaries``);
+the memory side, one ledger of every allocation timed on each rank, is ``sim.core.vector_memory``.
 """
 
 from collections.abc import Callable, Hashable
@@ -26,23 +27,20 @@ import numpy as np
 
 from sim.core.events import (
     EventTable,
-    MemoryCategory,
-    MemoryRecord,
     OpKind,
     OpRecord,
     RankSummary,
-    RequestOrder,
     Stream,
 )
 from sim.core.host_clock import HostClock
 from sim.core.links import Flow, link_classes, max_min_rates
-from sim.core.program import Alloc, Program, ProgramOp
+from sim.core.program import Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
+from sim.core.vector_memory import OpTimes, memory_ledger, memory_records, rank_peaks
 
 COMPUTE_KINDS = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.RECOMPUTE, OpKind.OPTIMIZER})
 MAX_PASSES = 200
 TOLERANCE_S = 1e-12
-CHUNK_RANKS = 1024  # ranks whose memory ledgers are sorted at once
 
 
 def supports(program: Program, topology: Topology) -> bool:
@@ -270,132 +268,6 @@ def _op_records(program: Program, topology: Topology, solved: _Pass, rank: int) 
     return records
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Ledger:
-    """Every memory change of the program, in the order one rank makes them at equal times (a
-    finishing op's frees before what it lets start allocates): when, by how much, of what."""
-
-    op_ids: np.ndarray  # the op whose ready (phase 1) or end (phase 0) moment it happens at
-    at_end: np.ndarray  # bool
-    delta: np.ndarray  # bytes
-    category: tuple[MemoryCategory, ...]
-    label: tuple[str, ...]
-    stream: tuple[Stream, ...]
-    pieces: tuple[tuple[int, ...], ...]  # an allocation's tensors (``Alloc.pieces``)
-    orders: tuple[RequestOrder | None, ...]  # and their order (``Alloc.order``)
-    initial: tuple[Alloc, ...]
-
-
-def _ledger(program: Program) -> _Ledger:
-    sizes: dict[str, tuple[MemoryCategory, int]] = {a.label: (a.category, a.bytes) for a in program.initial}
-    rows: list[tuple[int, bool, int, MemoryCategory, str, Stream, tuple[int, ...], RequestOrder | None]] = []
-    for op in program.ops:
-        for label in op.start_frees:
-            category, nbytes = sizes[label]
-            rows.append((op.op_id, False, -nbytes, category, label, op.stream, (), None))
-        for a in op.allocs:
-            sizes[a.label] = (a.category, a.bytes)
-            rows.append((op.op_id, False, a.bytes, a.category, a.label, op.stream, a.pieces, a.order))
-        for label in op.frees:
-            category, nbytes = sizes[label]
-            rows.append((op.op_id, True, -nbytes, category, label, op.stream, (), None))
-        for a in op.end_allocs:
-            sizes[a.label] = (a.category, a.bytes)
-            rows.append((op.op_id, True, a.bytes, a.category, a.label, op.stream, a.pieces, a.order))
-    rows = [r for r in rows if r[2] != 0]
-    return _Ledger(
-        op_ids=np.array([r[0] for r in rows], dtype=np.int64),
-        at_end=np.array([r[1] for r in rows], dtype=bool),
-        delta=np.array([r[2] for r in rows], dtype=np.int64),
-        category=tuple(r[3] for r in rows),
-        label=tuple(r[4] for r in rows),
-        stream=tuple(r[5] for r in rows),
-        pieces=tuple(r[6] for r in rows),
-        orders=tuple(r[7] for r in rows),
-        initial=tuple(a for a in program.initial if a.bytes > 0),
-    )
-
-
-def _ledger_times(ledger: _Ledger, solved: _Pass, ranks: np.ndarray) -> np.ndarray:
-    """(ranks, entries): when each entry happens on each rank."""
-    at_end = solved.end[ledger.op_ids][:, ranks]
-    at_ready = solved.ready[ledger.op_ids][:, ranks]
-    return np.where(ledger.at_end[:, None], at_end, at_ready).T
-
-
-def _order(times: np.ndarray, ledger: _Ledger) -> np.ndarray:
-    """Per rank, the entries in time order; at equal times ends before readies, then issue order."""
-    phase = np.where(ledger.at_end, 0, 1)
-    keys = np.lexsort((np.arange(len(phase)), ledger.op_ids, phase, times), axis=-1)
-    return keys
-
-
-def _peaks(ledger: _Ledger, solved: _Pass, n_ranks: int) -> np.ndarray:
-    """Each rank's largest live total (the initial allocations included)."""
-    base = sum(a.bytes for a in ledger.initial)
-    peaks = np.empty(n_ranks, dtype=np.int64)
-    for lo in range(0, n_ranks, CHUNK_RANKS):
-        ranks = np.arange(lo, min(n_ranks, lo + CHUNK_RANKS))
-        times = _ledger_times(ledger, solved, ranks)
-        order = (
-            np.stack([_order(row, ledger) for row in times])
-            if len(ledger.delta)
-            else np.zeros((len(ranks), 0), int)
-        )
-        live = base + np.cumsum(ledger.delta[order], axis=1) if order.size else np.full((len(ranks), 1), base)
-        peaks[ranks] = np.maximum(live.max(axis=1), base)
-    return peaks
-
-
-def _memory_records(ledger: _Ledger, solved: _Pass, rank: int, clock: HostClock | None) -> list[MemoryRecord]:
-    """``rank``'s memory records in device-time order, each with the time the caching allocator
-    sees it (``clock``; None where the host is the device)."""
-    end_of = solved.end[:, rank].__getitem__
-    records = [
-        MemoryRecord(
-            rank=rank,
-            time_s=0.0,
-            category=a.category,
-            delta_bytes=a.bytes,
-            label=a.label,
-            stream=Stream.COMPUTE,
-            pieces=a.pieces,
-            host_s=None if clock is None else 0.0,
-            resident=True,
-            carried=a.carried,
-        )
-        for a in ledger.initial
-    ]
-    times = _ledger_times(ledger, solved, np.array([rank]))[0]
-    for k in _order(times, ledger):
-        device_s, delta = float(times[k]), int(ledger.delta[k])
-        host_s = (
-            None
-            if clock is None
-            else clock.allocator_s(
-                op_id=int(ledger.op_ids[k]),
-                label=ledger.label[k],
-                delta_bytes=delta,
-                device_s=device_s,
-                end_of=lambda op: float(end_of(op)),
-            )
-        )
-        records.append(
-            MemoryRecord(
-                rank=rank,
-                time_s=device_s,
-                category=ledger.category[k],
-                delta_bytes=delta,
-                label=ledger.label[k],
-                stream=ledger.stream[k],
-                pieces=ledger.pieces[k],
-                order=ledger.orders[k],
-                host_s=host_s,
-            )
-        )
-    return records
-
-
 def _summaries(program: Program, solved: _Pass, peaks: np.ndarray) -> dict[int, RankSummary]:
     """Each rank's step time, peak, and the breakdown ``sim.outputs.intervals`` defines: the
     compute stream's ops run one after another, so its union is their sum; the collectives are
@@ -450,13 +322,14 @@ def run_vectorized(
         classes={},
     )
     solved = _solve(program, plan, flows, 1.0 if serial else interference)
-    ledger = _ledger(program)
-    peaks = _peaks(ledger, solved, k)
+    ledger = memory_ledger(program)
+    times = OpTimes(ready=solved.ready, end=solved.end)
+    peaks = rank_peaks(ledger, times, k)
     last = solved.end.max(axis=0)
     ranks = materialize or tuple(sorted({0, int(last.argmax()), int(last.argmin()), int(peaks.argmax())}))
     ops = [rec for r in ranks for rec in _op_records(program, topology, solved, r)]
     clock = None if serial else HostClock.of(program)
-    memory = [rec for r in ranks for rec in _memory_records(ledger, solved, r, clock)]
+    memory = [rec for r in ranks for rec in memory_records(ledger, times, r, clock)]
     return EventTable(
         world_size=k,
         simulated_ranks=ranks,
