@@ -6,7 +6,7 @@ simulator extrapolates to other node counts through the model."""
 from typing import Any
 
 from sim.costs.nccl_fit import fit_document, fit_nccl
-from sim.hardware.cluster import default_cluster, load_cluster
+from sim.hardware.cluster_spec import default_cluster, load_cluster
 from sim.hardware.parse import profile_from_dict
 
 

@@ -17,7 +17,7 @@ from sim.costs.compute_build import build_compute_costs
 from sim.costs.offload import HostCosts
 from sim.dtypes import dtype_bytes
 from sim.errors import UserError
-from sim.hardware.cluster import default_cluster
+from sim.hardware.cluster_spec import default_cluster
 from sim.hardware.network import Network, job_network
 from sim.hardware.registry import builtin_devices, load_profile
 from sim.hardware.schema import HardwareProfile

@@ -14,13 +14,12 @@ import pytest
 
 from sim.cli import cluster as cli
 from sim.errors import UserError
-from sim.hardware.cluster import (
+from sim.hardware.cluster import cluster_graph, group_fabric
+from sim.hardware.cluster_spec import (
     BUILTIN_CLUSTERS,
     ClusterSpec,
     builtin_cluster_document,
-    cluster_graph,
     degraded,
-    group_fabric,
     load_cluster,
 )
 from sim.hardware.registry import load_profile

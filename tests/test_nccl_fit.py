@@ -10,7 +10,7 @@ from sim.core.topology import GroupShape
 from sim.costs.collectives import collective_cost
 from sim.costs.nccl import nccl_choice
 from sim.costs.nccl_fit import fit_nccl
-from sim.hardware.cluster import load_cluster
+from sim.hardware.cluster_spec import load_cluster
 from sim.hardware.network import job_network
 from sim.hardware.registry import load_profile
 from sim.hardware.schema import CollectiveCurve, LinkModel, NcclFit

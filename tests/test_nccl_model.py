@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sim.costs.collectives import bus_factor
 from sim.costs.nccl import nccl_choice
 from sim.costs.nccl_graph import ChannelGraph, nvls_graph, ring_graph
-from sim.hardware.cluster import load_cluster
+from sim.hardware.cluster_spec import load_cluster
 from sim.hardware.network import job_network
 from sim.hardware.registry import load_profile
 from validation.published_network import CHECKS, CollectiveCheck, predicted_value

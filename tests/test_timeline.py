@@ -274,7 +274,8 @@ def test_sweep_plots_render(browser, tmp_path):
 def test_cluster_drawing_renders_in_chromium(browser, tmp_path):
     """``fsdpsim cluster show dgx-h100 --nodes 2 --plot``: the graph's page draws (nodes and links)."""
     from sim.cli.cluster import write_graph_html
-    from sim.hardware.cluster import cluster_graph, load_cluster
+    from sim.hardware.cluster import cluster_graph
+    from sim.hardware.cluster_spec import load_cluster
 
     path = tmp_path / "cluster.html"
     write_graph_html(cluster_graph(load_cluster("dgx-h100"), 2), str(path), "dgx-h100, 2 nodes")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sim.costs.one_collective import CollectiveAnswer, one_collective
-from sim.hardware.cluster import load_cluster
+from sim.hardware.cluster_spec import load_cluster
 from sim.hardware.network import job_network
 from sim.hardware.registry import load_profile
 from sim.outputs.report import build_report

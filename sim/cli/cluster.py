@@ -11,15 +11,8 @@ import networkx as nx
 
 from sim.errors import UserError
 from sim.fileio import write_text_atomic
-from sim.hardware.cluster import (
-    BUILTIN_CLUSTERS,
-    FIELDS,
-    LINK_KINDS,
-    NODE_LAYERS,
-    ClusterSpec,
-    cluster_graph,
-    load_cluster,
-)
+from sim.hardware.cluster import LINK_KINDS, NODE_LAYERS, cluster_graph
+from sim.hardware.cluster_spec import BUILTIN_CLUSTERS, FIELDS, ClusterSpec, load_cluster
 from sim.outputs.timeline import standalone_html
 
 DEFAULT_NODES = 2

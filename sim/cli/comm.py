@@ -9,7 +9,7 @@ import json
 from sim.cli.parser import parse_size
 from sim.costs.one_collective import CollectiveAnswer, one_collective
 from sim.errors import UserError
-from sim.hardware.cluster import BUILTIN_CLUSTERS, load_cluster
+from sim.hardware.cluster_spec import BUILTIN_CLUSTERS, load_cluster
 from sim.hardware.network import job_network
 from sim.hardware.registry import load_profile
 from sim.hardware.schema import COLLECTIVES

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from sim.costs.nccl import nccl_choice
-from sim.hardware.cluster import ClusterSpec
+from sim.hardware.cluster_spec import ClusterSpec
 from sim.hardware.fabric import GroupFabric
 from sim.hardware.network import job_network
 from sim.hardware.schema import CollectiveCurve, HardwareProfile, NcclFit

@@ -11,7 +11,8 @@ import networkx as nx
 import numpy as np
 
 from sim.errors import UserError
-from sim.hardware.cluster import ClusterSpec, Node, cluster_graph, degraded, group_fabric
+from sim.hardware.cluster import Node, cluster_graph, group_fabric
+from sim.hardware.cluster_spec import ClusterSpec, degraded
 from sim.hardware.fabric import GroupFabric
 
 

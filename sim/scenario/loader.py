@@ -17,7 +17,7 @@ from typing import Any
 
 from sim.dtypes import canonical_dtype
 from sim.errors import UserError
-from sim.hardware.cluster import ClusterSpec, load_cluster
+from sim.hardware.cluster_spec import ClusterSpec, load_cluster
 from sim.hardware.registry import load_profile
 from sim.scenario.checks import check_finetune, check_precision, check_scenario, scenario_warnings
 from sim.scenario.hf_model import describe_config, library, library_entry, llama_config_file

@@ -8,7 +8,7 @@ a ``Scenario`` never reads a file.
 
 from dataclasses import dataclass
 
-from sim.hardware.cluster import ClusterSpec
+from sim.hardware.cluster_spec import ClusterSpec
 from sim.workload.model import ModelConfig
 from sim.workload.options import (
     AttentionImpl,
