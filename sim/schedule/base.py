@@ -1,7 +1,8 @@
 """What every training schedule shares, written once (on ``sim.schedule.emit.OpEmitter``, which
 puts ops into the program): the forward pass of one segment (with activation checkpointing's
 block inputs), the recomputation of a checkpointed block, the backward pass of one segment, and
-the optimizer step.
+the optimizer step (``sim.schedule.optimizer``). Where long-lived activations (a kept output, a
+KV cache, the eager attention masks) begin and end is ``sim.schedule.activation_life``'s.
 
 A schedule (``sim.schedule.fsdp2``, ``sim.schedule.ddp``, and those to come) extends
 ``ScheduleBuilder`` with its communication and parameter handling, through the hooks named
@@ -10,15 +11,22 @@ A schedule (``sim.schedule.fsdp2``, ``sim.schedule.ddp``, and those to come) ext
 
 from dataclasses import dataclass, field, replace
 
-from sim.core.events import MemoryCategory, OpKind, RequestOrder, Stream
+from sim.core.events import MemoryCategory, OpKind, RequestOrder
 from sim.core.program import Alloc, Program
-from sim.core.topology import GroupKind
-from sim.dtypes import dtype_bytes
+from sim.schedule.activation_life import (
+    attention_segment,
+    cache_appends,
+    cache_holder,
+    first_block_segment,
+    first_of_block,
+    float_masks_end,
+    next_region_checkpointed,
+    previous_output,
+)
 from sim.schedule.emit import OpEmitter
-from sim.schedule.model_state import numel_per_rank, optimizer_tensor_numels, resident_allocs
+from sim.schedule.model_state import resident_allocs
+from sim.schedule.optimizer import emit_optimizer_step
 from sim.schedule.step import StepConfig
-from sim.workload.layer_op import LayerKind
-from sim.workload.options import OptimizerName
 from sim.workload.units import ROOT, input_needs_grad
 
 
@@ -58,28 +66,9 @@ class UnitLayout:
         )
 
 
-def _cache_appends(cfg: StepConfig) -> bool:
-    """Whether each recompute appends its block's K/V to the cache again: a ``DynamicCache``
-    (every block is given it) under checkpointing."""
-    return bool(cfg.kv_cache_bytes and cfg.checkpoint.blocks and cfg.kv_cache_in_block_inputs)
-
-
-def _previous_output(cfg: StepConfig) -> list[Alloc]:
-    """training.keep_outputs: the output the previous micro-batch left the loop holding, as
-    this one will leave it (steady state): its logits, and a KV cache's every block's K/V
-    (twice a checkpointed block's where a ``DynamicCache`` took each recompute's again)."""
-    if not cfg.kept_output_bytes:
-        return []
-    cache = sum(cfg.kv_cache_bytes)
-    if _cache_appends(cfg):
-        cache += sum(b for block, b in enumerate(cfg.kv_cache_bytes) if cfg.checkpoint.covers(block))
-    nbytes = cfg.kept_output_bytes + cache
-    return [Alloc(label="previous_output", category=MemoryCategory.ACTIVATIONS, bytes=nbytes, carried=True)]
-
-
 class ScheduleBuilder(OpEmitter):
     def __init__(self, cfg: StepConfig):
-        super().__init__(cfg, Program(initial=resident_allocs(cfg) + _previous_output(cfg)))
+        super().__init__(cfg, Program(initial=resident_allocs(cfg) + previous_output(cfg)))
         # training.keep_outputs: the labels of the output the loop holds, and the micro-batch
         # whose cache it holds (freed when the next forward returns)
         self.held_output: list[str] = ["previous_output"] if cfg.kept_output_bytes else []
@@ -90,8 +79,7 @@ class ScheduleBuilder(OpEmitter):
         return self.cfg.checkpoint.covers(self.cfg.segments[i].block)
 
     def first_of_block(self, i: int) -> bool:
-        segs = self.cfg.segments
-        return i == 0 or segs[i - 1].block != segs[i].block
+        return first_of_block(self.cfg, i)
 
     # -- forward and recompute ------------------------------------------------------------
 
@@ -156,7 +144,7 @@ class ScheduleBuilder(OpEmitter):
         allocs.append(saved_alloc)
         if self.checkpointed(i):
             frees.append(saved)
-            if fig.saved_after_block_bytes and not self._next_region_checkpointed(i):
+            if fig.saved_after_block_bytes and not next_region_checkpointed(self.cfg, i):
                 label = self.label("kept_after_block", seg.unit, mb)
                 acts.kept_after_block.setdefault(block, []).append(label)  # type: ignore[arg-type]
                 allocs.append(
@@ -175,7 +163,7 @@ class ScheduleBuilder(OpEmitter):
         # end of the segment that runs it
         cached = cfg.kv_cache_bytes[block] if cfg.kv_cache_bytes and block is not None else 0
         end_allocs: tuple[Alloc, ...] = ()
-        if cached and self.checkpointed(i) and i == self._attention_segment(block):
+        if cached and self.checkpointed(i) and i == attention_segment(self.cfg, block):
             cache = self.label("kv_cache", seg.unit, mb)
             acts.kv_cache.append(cache)
             end_allocs = (Alloc(label=cache, category=MemoryCategory.ACTIVATIONS, bytes=cached),)
@@ -190,7 +178,7 @@ class ScheduleBuilder(OpEmitter):
                 Alloc(label=logits, category=MemoryCategory.ACTIVATIONS, bytes=cfg.kept_output_bytes),
             )
             self.held_output, self.held_cache = [logits], acts
-        elif i == len(cfg.segments) - 1 and self._cache_holder() is None:  # the output (and cache) dropped
+        elif i == len(cfg.segments) - 1 and cache_holder(self.cfg) is None:  # the output (and cache) dropped
             frees += acts.kv_cache
             acts.kv_cache = []
         allocs += self._float_masks_made(i, mb, acts)
@@ -213,9 +201,7 @@ class ScheduleBuilder(OpEmitter):
     def _float_masks_made(self, i: int, mb: int, acts: Activations) -> list[Alloc]:
         """HF's eager attention masks (``StepConfig.float_mask_bytes``), built by the decoder
         stack before its first block: allocated as the first block's forward starts."""
-        segs = self.cfg.segments
-        first = next((j for j, s in enumerate(segs) if s.block is not None), None)
-        if not self.cfg.float_mask_bytes or i != first:
+        if not self.cfg.float_mask_bytes or i != first_block_segment(self.cfg):
             return []
         acts.float_masks = self.label("float_masks", ROOT, mb)
         return [
@@ -225,51 +211,11 @@ class ScheduleBuilder(OpEmitter):
         ]
 
     def _float_masks_dropped(self, i: int, acts: Activations, *, backward: bool) -> list[str]:
-        """Where the masks go: without checkpointing when the decoder stack returns (after its
-        last block's forward); with it, every checkpoint region keeps them among the inputs its
-        recomputation is called with, so they go with the region held longest, as its backward
-        ends (measured with a weak reference on transformers 5.24's Llama, full and every-2nd-block
-        checkpointing)."""
-        segs, holder = self.cfg.segments, self.cfg.checkpoint.longest_held
-        if acts.float_masks is None:
-            return []
-        if backward:
-            ends = holder is not None and segs[i].block == holder and self.first_of_block(i)
-        else:
-            ends = holder is None and i == max(j for j, s in enumerate(segs) if s.block is not None)
-        if not ends:
+        """The masks' free, at the end ``float_masks_end`` names."""
+        if acts.float_masks is None or not float_masks_end(self.cfg, i, backward=backward):
             return []
         label, acts.float_masks = acts.float_masks, None
         return [label]
-
-    def _attention_segment(self, block: int | None) -> int | None:
-        """The segment of ``block`` that runs its (first) attention op, else its last segment."""
-        if block is None:
-            return None
-        mine = [i for i, s in enumerate(self.cfg.segments) if s.block == block]
-        runs = (i for i in mine if any(op.kind is LayerKind.ATTENTION for op in self.cfg.segments[i].ops))
-        return next(runs, mine[-1])
-
-    def _cache_holder(self) -> int | None:
-        """model.use_cache with checkpointing: the block whose checkpoint region holds the
-        ``DynamicCache`` longest. Non-reentrant checkpointing keeps each region's inputs, the
-        cache object among its keyword arguments, until the region's backward: the cache (every
-        block's K/V) lives to the end of the first checkpointed block's backward (transformers
-        5.24, measured in fake mode). None: no cache or no checkpointed block; a legacy cache
-        (transformers < 4.36: each block returns its (k, v), which no block is given again; it
-        dies with the model's output at the forward's end, after the loss, measured on 4.31); or
-        a kept output, which holds the cache longer (``training.keep_outputs``)."""
-        if not _cache_appends(self.cfg) or self.cfg.kept_output_bytes:
-            return None
-        return min(self.cfg.checkpoint.blocks)
-
-    def _next_region_checkpointed(self, i: int) -> bool:
-        """Whether the ops right after segment ``i``'s block are a checkpoint region too (the
-        next block checkpointed): then they keep nothing of the block, only their own input."""
-        segs = self.cfg.segments
-        block = segs[i].block
-        after = next((s for s in segs[i + 1 :] if s.block != block), None)
-        return after is not None and self.cfg.checkpoint.covers(after.block)
 
     def recompute_block(self, block: int, mb: int, acts: Activations) -> None:
         """Checkpointing's second forward of ``block``, just before its backward: every segment's
@@ -278,7 +224,7 @@ class ScheduleBuilder(OpEmitter):
         backward has run), and is dropped as the recompute starts."""
         selective = self.cfg.checkpoint.selective_op
         start_frees = tuple(acts.kept_after_block.pop(block, ()))
-        cache = self.cfg.kv_cache_bytes[block] if _cache_appends(self.cfg) else 0
+        cache = self.cfg.kv_cache_bytes[block] if cache_appends(self.cfg) else 0
         for i, seg in enumerate(self.cfg.segments):
             if seg.block != block:
                 continue
@@ -358,7 +304,7 @@ class ScheduleBuilder(OpEmitter):
             frees.append(acts.kept.pop(i))
         if seg.block is not None and seg.block in acts.block_inputs and self.first_of_block(i):
             frees.append(acts.block_inputs.pop(seg.block))
-            if seg.block == self._cache_holder():  # its region lets the cache go
+            if seg.block == cache_holder(self.cfg):  # its region lets the cache go
                 frees += acts.kv_cache
                 acts.kv_cache = []
         cfg = self.cfg
@@ -414,49 +360,7 @@ class ScheduleBuilder(OpEmitter):
             return None
         return replace(fig.backward_order, consumed=consumed)
 
-    def grad_scaler_unscale(self) -> None:
-        """``scaler.unscale_(optimizer)``: ``_amp_foreach_non_finite_check_and_unscale_`` reads and
-        writes every fp32 gradient element this rank holds; ``ShardedGradScaler`` then all-reduces
-        its found-inf flag (one fp32 element) over the shard group (torch 2.13
-        ``fsdp/sharded_grad_scaler.py``); DDP's ``GradScaler`` needs no collective."""
-        cfg, mb = self.cfg, self.cfg.grad_accum - 1
-        numel = numel_per_rank(cfg)
-        op = self.compute(
-            OpKind.COPY, "grad scaler unscale_", ROOT, mb, cfg.costs.copy_s(numel * cfg.master_bytes)
-        )
-        if cfg.sharded and cfg.shard_size > 1:
-            flag = self.collective(
-                OpKind.ALL_REDUCE,
-                Stream.ALL_REDUCE,
-                ROOT,
-                dtype_bytes("fp32"),  # the one found_inf element
-                GroupKind.SHARD,
-                "fp32",
-                mb=mb,
-                deps=(op,),
-                name="all_reduce found_inf",
-            )
-            self.compute_waits.append(flag)
-
     def optimizer_step(self) -> None:
-        """One step over the parameters this rank holds; ``zero_grad(set_to_none=True)`` after it.
-        foreach AdamW holds one temporary per tensor it steps, in the states' dtype
-        (``torch._foreach_sqrt(exp_avg_sqs)``, torch 2.13 ``optim/adamw.py``): as many allocations,
-        each the size of its tensor, which the caching allocator fits into the holes backward left."""
-        cfg = self.cfg
-        if cfg.grad_scaler:
-            self.grad_scaler_unscale()
-        numel = numel_per_rank(cfg)
-        temp = "optimizer_temp"
-        adamw = cfg.optimizer is OptimizerName.ADAMW
-        pieces = tuple(n * cfg.master_bytes for n in optimizer_tensor_numels(cfg)) if adamw else ()
-        temp_bytes = sum(pieces)
-        self.compute(
-            OpKind.OPTIMIZER,
-            "optimizer step",
-            ROOT,
-            cfg.grad_accum - 1,
-            cfg.costs.optimizer_s(numel, cfg.master_bytes),
-            allocs=(Alloc(label=temp, category=MemoryCategory.OTHER, bytes=temp_bytes, pieces=pieces),),
-            frees=(temp, *self.grad_labels),
-        )
+        """The optimizer step over what this rank holds (``sim.schedule.optimizer``), consuming
+        the gradients the schedule left in ``grad_labels``."""
+        emit_optimizer_step(self, tuple(self.grad_labels))

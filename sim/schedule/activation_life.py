@@ -1,0 +1,86 @@
+"""Where a step's long-lived activations begin and end, as pure functions of the step: the output
+a kept-outputs loop holds from the previous micro-batch, a KV cache's appends under checkpointing
+and the checkpoint region that holds it, the segment that runs a block's attention, the eager
+attention masks' first and last segment. ``sim.schedule.base.ScheduleBuilder`` allocates and
+frees at the points these name.
+"""
+
+from sim.core.events import MemoryCategory
+from sim.core.program import Alloc
+from sim.schedule.step import StepConfig
+from sim.workload.layer_op import LayerKind
+
+
+def cache_appends(cfg: StepConfig) -> bool:
+    """Whether each recompute appends its block's K/V to the cache again: a ``DynamicCache``
+    (every block is given it) under checkpointing."""
+    return bool(cfg.kv_cache_bytes and cfg.checkpoint.blocks and cfg.kv_cache_in_block_inputs)
+
+
+def previous_output(cfg: StepConfig) -> list[Alloc]:
+    """training.keep_outputs: the output the previous micro-batch left the loop holding, as
+    this one will leave it (steady state): its logits, and a KV cache's every block's K/V
+    (twice a checkpointed block's where a ``DynamicCache`` took each recompute's again)."""
+    if not cfg.kept_output_bytes:
+        return []
+    cache = sum(cfg.kv_cache_bytes)
+    if cache_appends(cfg):
+        cache += sum(b for block, b in enumerate(cfg.kv_cache_bytes) if cfg.checkpoint.covers(block))
+    nbytes = cfg.kept_output_bytes + cache
+    return [Alloc(label="previous_output", category=MemoryCategory.ACTIVATIONS, bytes=nbytes, carried=True)]
+
+
+def attention_segment(cfg: StepConfig, block: int | None) -> int | None:
+    """The segment of ``block`` that runs its (first) attention op, else its last segment."""
+    if block is None:
+        return None
+    mine = [i for i, s in enumerate(cfg.segments) if s.block == block]
+    runs = (i for i in mine if any(op.kind is LayerKind.ATTENTION for op in cfg.segments[i].ops))
+    return next(runs, mine[-1])
+
+
+def cache_holder(cfg: StepConfig) -> int | None:
+    """model.use_cache with checkpointing: the block whose checkpoint region holds the
+    ``DynamicCache`` longest. Non-reentrant checkpointing keeps each region's inputs, the
+    cache object among its keyword arguments, until the region's backward: the cache (every
+    block's K/V) lives to the end of the first checkpointed block's backward (transformers
+    5.24, measured in fake mode). None: no cache or no checkpointed block; a legacy cache
+    (transformers < 4.36: each block returns its (k, v), which no block is given again; it
+    dies with the model's output at the forward's end, after the loss, measured on 4.31); or
+    a kept output, which holds the cache longer (``training.keep_outputs``)."""
+    if not cache_appends(cfg) or cfg.kept_output_bytes:
+        return None
+    return min(cfg.checkpoint.blocks)
+
+
+def next_region_checkpointed(cfg: StepConfig, i: int) -> bool:
+    """Whether the ops right after segment ``i``'s block are a checkpoint region too (the
+    next block checkpointed): then they keep nothing of the block, only their own input."""
+    segs = cfg.segments
+    block = segs[i].block
+    after = next((s for s in segs[i + 1 :] if s.block != block), None)
+    return after is not None and cfg.checkpoint.covers(after.block)
+
+
+def first_of_block(cfg: StepConfig, i: int) -> bool:
+    """Whether segment ``i`` is its block's first (or the step's first segment)."""
+    segs = cfg.segments
+    return i == 0 or segs[i - 1].block != segs[i].block
+
+
+def first_block_segment(cfg: StepConfig) -> int | None:
+    """The first segment inside a block (where the decoder stack has built its masks)."""
+    return next((j for j, s in enumerate(cfg.segments) if s.block is not None), None)
+
+
+def float_masks_end(cfg: StepConfig, i: int, *, backward: bool) -> bool:
+    """Whether HF's eager attention masks go at the end of segment ``i``'s forward (or, with
+    ``backward``, its backward). Without checkpointing they go when the decoder stack returns
+    (after its last block's forward); with it, every checkpoint region keeps them among the
+    inputs its recomputation is called with, so they go with the region held longest, as its
+    backward ends (measured with a weak reference on transformers 5.24's Llama, full and
+    every-2nd-block checkpointing)."""
+    segs, holder = cfg.segments, cfg.checkpoint.longest_held
+    if backward:
+        return holder is not None and segs[i].block == holder and first_of_block(cfg, i)
+    return holder is None and i == max(j for j, s in enumerate(segs) if s.block is not None)

@@ -1,0 +1,63 @@
+"""The step's end: a grad scaler's unscale (and, sharded, its found-inf all-reduce) and the
+optimizer step over the parameters this rank holds, with foreach AdamW's temporaries. Emitted
+through any schedule's ``OpEmitter``; the gradients it consumes are the schedule's.
+"""
+
+from sim.core.events import MemoryCategory, OpKind, Stream
+from sim.core.program import Alloc
+from sim.core.topology import GroupKind
+from sim.dtypes import dtype_bytes
+from sim.schedule.emit import OpEmitter
+from sim.schedule.model_state import numel_per_rank, optimizer_tensor_numels
+from sim.workload.options import OptimizerName
+from sim.workload.units import ROOT
+
+
+def emit_grad_scaler_unscale(emitter: OpEmitter) -> None:
+    """``scaler.unscale_(optimizer)``: ``_amp_foreach_non_finite_check_and_unscale_`` reads and
+    writes every fp32 gradient element this rank holds; ``ShardedGradScaler`` then all-reduces
+    its found-inf flag (one fp32 element) over the shard group (torch 2.13
+    ``fsdp/sharded_grad_scaler.py``); DDP's ``GradScaler`` needs no collective."""
+    cfg = emitter.cfg
+    mb = cfg.grad_accum - 1
+    numel = numel_per_rank(cfg)
+    op = emitter.compute(
+        OpKind.COPY, "grad scaler unscale_", ROOT, mb, cfg.costs.copy_s(numel * cfg.master_bytes)
+    )
+    if cfg.sharded and cfg.shard_size > 1:
+        flag = emitter.collective(
+            OpKind.ALL_REDUCE,
+            Stream.ALL_REDUCE,
+            ROOT,
+            dtype_bytes("fp32"),  # the one found_inf element
+            GroupKind.SHARD,
+            "fp32",
+            mb=mb,
+            deps=(op,),
+            name="all_reduce found_inf",
+        )
+        emitter.compute_waits.append(flag)
+
+
+def emit_optimizer_step(emitter: OpEmitter, grad_labels: tuple[str, ...]) -> None:
+    """One step over the parameters this rank holds; ``zero_grad(set_to_none=True)`` after it
+    frees ``grad_labels``. foreach AdamW holds one temporary per tensor it steps, in the states'
+    dtype (``torch._foreach_sqrt(exp_avg_sqs)``, torch 2.13 ``optim/adamw.py``): as many
+    allocations, each the size of its tensor, which the caching allocator fits into the holes
+    backward left."""
+    cfg = emitter.cfg
+    if cfg.grad_scaler:
+        emit_grad_scaler_unscale(emitter)
+    numel = numel_per_rank(cfg)
+    temp = "optimizer_temp"
+    adamw = cfg.optimizer is OptimizerName.ADAMW
+    pieces = tuple(n * cfg.master_bytes for n in optimizer_tensor_numels(cfg)) if adamw else ()
+    emitter.compute(
+        OpKind.OPTIMIZER,
+        "optimizer step",
+        ROOT,
+        cfg.grad_accum - 1,
+        cfg.costs.optimizer_s(numel, cfg.master_bytes),
+        allocs=(Alloc(label=temp, category=MemoryCategory.OTHER, bytes=sum(pieces), pieces=pieces),),
+        frees=(temp, *grad_labels),
+    )
