@@ -16,18 +16,12 @@ buckets (``stage3.py``).
 - ``release_sub_module`` after the module ran: each non-persistent parameter is freed unless a
   prefetch already took it for a later use, or a module within ``stage3_max_reuse_distance``
   elements of parameters ahead in the trace uses it again.
-- Gradients: each one copied into the IPG bucket (``reduce_bucket_size`` elements) on the
-  reduction stream, its own storage dropped; a full bucket is reduce-scattered
-  (``reduce_scatter_coalesced``: every gradient padded to a multiple of N, one reduce-scatter)
-  and added into the rank's gradient partitions. With ``overlap_comm`` (stage 3's default) this
-  runs beside the backward pass; the next bucket's copies wait for the previous reduce-scatter.
-- The step, per ``sub_group_size`` group: the gradient partition cast to fp32, the optimizer,
-  the fp32 partition copied into the training-dtype partition; one all-reduce of the overflow
-  flag and the norm (8 bytes); then one all-gather per persistent parameter (``_post_step``).
+- Gradients: copied into the IPG bucket and reduce-scattered bucket by bucket
+  (``sim.schedule.zero3_reduce``); the step per ``sub_group_size`` group and the persistent
+  parameters' all-gathers after it (``sim.schedule.zero3_step``).
 """
 
 from dataclasses import dataclass, field
-from math import ceil
 
 from sim.core.events import MemoryCategory as Mem
 from sim.core.events import OpKind, Stream
@@ -35,13 +29,11 @@ from sim.core.program import Alloc, Program
 from sim.core.topology import GroupKind
 from sim.schedule.base import Activations, ScheduleBuilder
 from sim.schedule.step import StepConfig
+from sim.schedule.zero3_reduce import GradientBuckets
+from sim.schedule.zero3_step import emit_zero3_step
 from sim.schedule.zero3_trace import ModuleCall, SegmentUse, segment_uses
-from sim.schedule.zero_state import partition_numel, persistent, zero_params
+from sim.schedule.zero_state import gathered_numel, persistent, zero_params
 from sim.workload.model import ParamSpec, layer_prefix
-from sim.workload.options import OPTIMIZER_STATES
-from sim.workload.units import ROOT
-
-STEP_SCALARS_BYTES = 8  # stage 3's one all-reduce of the overflow flag and the gradient norm
 
 
 @dataclass(kw_only=True)
@@ -54,12 +46,6 @@ class Coordinator:
     inflight: dict[str, int] = field(default_factory=dict)  # parameter -> the all-gather bringing it
     fetched_for: dict[str, int] = field(default_factory=dict)  # __most_recent_step_id_param_fetched_for
     n_available: int = 0
-
-
-@dataclass(kw_only=True)
-class Bucket:
-    elements: int = 0  # padded to the partition multiple, as reduce_scatter_coalesced pads
-    copies: list[int] = field(default_factory=list)
 
 
 class Zero3ScheduleBuilder(ScheduleBuilder):
@@ -83,14 +69,9 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
         }
         self.specs = {p.name: p for p in zero_params(cfg)}
         self.persist = {name for name, p in self.specs.items() if persistent(cfg, p)}
-        self.bucket = Bucket()
-        self.last_reduce: int | None = None
-        self.reductions: list[int] = []
+        self.buckets = GradientBuckets(emitter=self, zero=self.zero)
         self.coord = Coordinator(queue=[])
         self.acts = Activations()
-
-    def _padded(self, p: ParamSpec) -> int:
-        return partition_numel(p, self.n) * self.n
 
     def build(self) -> Program:
         queue = [
@@ -116,9 +97,9 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
                     called, deferred = deferred + called, []
                 for k, call in called:
                     self._release(k, call, op)
-            self._reduce_bucket(mb)  # independent_gradient_partition_epilogue
-            self.compute_waits = list(self.reductions)
-        self._step()
+            self.buckets.reduce_bucket(mb)  # independent_gradient_partition_epilogue
+            self.compute_waits = list(self.buckets.reductions)
+        emit_zero3_step(self, self.zero, self.specs, self.persist)
         return self.program
 
     def _hooks(self, use: SegmentUse, mb: int) -> None:
@@ -157,7 +138,7 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
         )
         op = self.backward_segment(i, mb, self.acts, end_allocs=allocs)
         for p in grads:
-            self._add_grad(p, mb, op)
+            self.buckets.add_grad(p, mb, op, self._grad_label(p, mb))
         return op
 
     def _recompute_segment(self, i: int, mb: int) -> int:
@@ -199,7 +180,7 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
         cfg, coord = self.cfg, self.coord
         if not names:
             return
-        padded = sum(self._padded(self.specs[n]) for n in names)
+        padded = sum(gathered_numel(self.specs[n], self.n) for n in names)
         allocs = []
         frees: list[str] = []
         if len(names) == 1:  # gathered into the parameter's own padded buffer
@@ -295,140 +276,6 @@ class Zero3ScheduleBuilder(ScheduleBuilder):
             if p.name not in keep and p.name in coord.available:
                 self.program.add_frees(after, coord.available.pop(p.name))
                 coord.n_available -= p.numel
-
-    # -- gradients ------------------------------------------------------------------------------
-
-    def _add_grad(self, p: ParamSpec, mb: int, after: int) -> None:
-        """``__add_grad_to_ipg_bucket`` (reduce first if it would overflow)."""
-        cfg = self.cfg
-        if self.bucket.elements + self._padded(p) > self.zero.reduce_bucket_size:
-            self._reduce_bucket(mb)
-        deps = (after,) if self.last_reduce is None else (after, self.last_reduce)
-        copy = self.program.emit(
-            stream=Stream.REDUCE_SCATTER if self.zero.overlap_comm else Stream.COMPUTE,
-            kind=OpKind.COPY,
-            name=f"ipg bucket copy {p.name}",
-            unit=ROOT,
-            microbatch=mb,
-            duration_s=cfg.costs.copy_s(p.numel * cfg.param_bytes),
-            deps=self.issued(deps),
-            frees=(self._grad_label(p, mb),),
-        )
-        self.bucket.copies.append(copy)
-        self.bucket.elements += self._padded(p)
-
-    def _reduce_bucket(self, mb: int) -> None:
-        """``__reduce_and_partition_ipg_grads``: pad and interleave, reduce-scatter, add the
-        partitions into the gradient partitions."""
-        cfg, bucket = self.cfg, self.bucket
-        if bucket.elements == 0:
-            return
-        flat = self.label("reduce_scatter_flat", ROOT, mb)
-        rs = self.collective(
-            OpKind.REDUCE_SCATTER,
-            Stream.REDUCE_SCATTER,
-            ROOT,
-            bucket.elements * cfg.reduce_bytes,
-            GroupKind.SHARD,
-            cfg.reduce_dtype,
-            mb=mb,
-            deps=tuple(bucket.copies),
-            allocs=(Alloc(label=flat, category=Mem.COMM_BUFFERS, bytes=bucket.elements * cfg.reduce_bytes),),
-            frees=(flat,),
-            extra_s=cfg.costs.copy_s(bucket.elements * cfg.reduce_bytes) * (1 + 1 / self.n),
-            name=f"reduce_scatter ipg bucket ({bucket.elements:,} elements)",
-        )
-        self.last_reduce = rs
-        self.reductions.append(rs)
-        if self.zero.offload_optimizer.value != "none":  # the fp32 gradient partition lives on the host
-            nbytes = bucket.elements // self.n * cfg.master_bytes
-            d2h_s = cfg.host_costs.d2h_s(nbytes)
-            self.reductions.append(
-                self.transfer(Stream.D2H, "d2h gradient partition", ROOT, mb, nbytes, d2h_s, deps=(rs,))
-            )
-        if not self.zero.overlap_comm:
-            self.compute_waits.append(rs)
-        self.bucket = Bucket()
-
-    # -- the step -------------------------------------------------------------------------------
-
-    def _step(self) -> None:
-        cfg, mb = self.cfg, self.cfg.grad_accum - 1
-        part = sum(partition_numel(p, self.n) for p in self.specs.values())
-        scalars = self.collective(
-            OpKind.ALL_REDUCE,
-            Stream.ALL_REDUCE,
-            ROOT,
-            STEP_SCALARS_BYTES,
-            GroupKind.SHARD,
-            "fp32",
-            mb=mb,
-            deps=tuple(self.compute_waits),
-            name="all_reduce overflow flag and gradient norm",
-        )
-        self.compute_waits = [scalars]
-        groups = max(1, ceil(part / self.zero.sub_group_size))
-        for g in range(groups):
-            numel = min(self.zero.sub_group_size, part - g * self.zero.sub_group_size)
-            if self.zero.offload_optimizer.value != "none":
-                self._offloaded_sub_group(g, numel, mb)
-                continue
-            label = f"fp32_grad_partition:{g}"
-            self.compute(
-                OpKind.OPTIMIZER,
-                f"optimizer step (sub-group {g})",
-                ROOT,
-                mb,
-                cfg.costs.copy_s(numel * (cfg.param_bytes + 2 * cfg.master_bytes))
-                + cfg.costs.optimizer_s(numel)
-                if cfg.costs.deepspeed_step_s_per_element is None
-                else cfg.costs.deepspeed_step_s_per_element * numel,  # measured through the real engine
-                allocs=(Alloc(label=label, category=Mem.GRADS, bytes=numel * cfg.master_bytes),),
-                frees=(label,),
-            )
-        self._gather_persistent(mb)
-
-    def _offloaded_sub_group(self, g: int, numel: int, mb: int) -> None:
-        """One sub-group stepped on the host (ZeRO-Offload / ZeRO-Infinity): under NVMe its fp32
-        master and states (12 B per element) are swapped in, stepped by DeepSpeed's CPU Adam and
-        swapped out, one after another; then its training-dtype partition goes back to the device
-        (or, with ``offload_param``, stays on the host or goes to NVMe)."""
-        cfg, host, nvme = self.cfg, self.cfg.host_costs, self.zero.offload_optimizer.value == "nvme"
-        states = numel * cfg.master_bytes * (OPTIMIZER_STATES[cfg.optimizer] + 1)
-        deps = tuple(self.compute_waits)
-        if nvme:
-            deps = (self._nvme(f"nvme read states {g}", mb, states, host.nvme_read_s(states), deps),)
-        step = self.host_optimizer(
-            f"optimizer step (DeepSpeed CPU Adam, sub-group {g})", mb, host.cpu_adam_s(numel), deps
-        )
-        if nvme:
-            self._nvme(f"nvme write states {g}", mb, states, host.nvme_write_s(states), (step,))
-        nbytes, where = numel * cfg.param_bytes, self.zero.offload_param.value
-        if where == "none":
-            h2d = self.transfer(
-                Stream.H2D, f"h2d partition {g}", ROOT, mb, nbytes, host.h2d_s(nbytes), deps=(step,)
-            )
-            self.compute_waits = [h2d]
-        elif where == "nvme":
-            self._nvme(f"nvme write partition {g}", mb, nbytes, host.nvme_write_s(nbytes), (step,))
-
-    def _nvme(self, name: str, mb: int, nbytes: int, duration_s: float, deps: tuple[int, ...]) -> int:
-        return self.transfer(Stream.NVME, name, ROOT, mb, nbytes, duration_s, deps=deps)
-
-    def _gather_persistent(self, mb: int) -> None:
-        """``_post_step``: each persistent parameter all-gathered on its own."""
-        for name in sorted(self.persist, key=list(self.specs).index):
-            self.collective(
-                OpKind.ALL_GATHER,
-                Stream.ALL_GATHER,
-                ROOT,
-                self._padded(self.specs[name]) * self.cfg.param_bytes,
-                GroupKind.SHARD,
-                self.cfg.param_dtype,
-                mb=mb,
-                deps=(),
-                name=f"all_gather persistent {name}",
-            )
 
 
 def build_zero3_program(cfg: StepConfig) -> Program:

@@ -51,6 +51,11 @@ def partition_numel(spec: ParamSpec, world: int) -> int:
     return ceil(spec.numel / world)
 
 
+def gathered_numel(spec: ParamSpec, world: int) -> int:
+    """Stage 3: one parameter as gathered and as reduce-scattered, padded to a multiple of N."""
+    return partition_numel(spec, world) * world
+
+
 def persistent(step: StepConfig, spec: ParamSpec) -> bool:
     """Stage 3: ``ds_persist``, parameters at or below the persistence threshold."""
     assert step.zero is not None
