@@ -8,14 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.core.events import Stream
-from sim.outputs.allocator import (
-    MIB,
-    NCCL_BUFFERS_PER_CONNECTION,
-    CachingAllocator,
-    allocation_size,
-    nccl_buffer_bytes,
-    round_size,
-)
+from sim.outputs.allocator import NCCL_BUFFERS_PER_CONNECTION, nccl_buffer_bytes
+from sim.outputs.caching_allocator import MIB, CachingAllocator, allocation_size, round_size
 from sim.outputs.report import build_report
 from sim.scenario.loader import load_scenario
 from sim.simulate import simulate
@@ -237,7 +231,8 @@ def test_the_steady_state_finds_the_kept_output_where_the_step_before_left_it() 
 def test_the_steady_state_step_allocates_each_resident_once_and_its_own_buffers_anew() -> None:
     """The measured step starts from the first one's segments: a step that frees everything it
     makes reserves in the second exactly what it reserved in the first, residents not doubled."""
-    from sim.outputs.allocator import CachingAllocator, Served, steady_state_replay
+    from sim.outputs.allocator import Served, steady_state_replay
+    from sim.outputs.caching_allocator import CachingAllocator
 
     step = _step(
         (100 * MIB, "param"),
@@ -349,7 +344,8 @@ def test_the_replay_serves_every_request_where_the_plain_rules_do(
 
 
 def _replayed(result, warm_up_steps: int):  # type: ignore[no-untyped-def]
-    from sim.outputs.allocator import CachingAllocator, allocator_order, steady_state_replay
+    from sim.outputs.allocator import allocator_order, steady_state_replay
+    from sim.outputs.caching_allocator import CachingAllocator
 
     device = result.profile.device
     allocator = CachingAllocator(device.memory_bytes - device.context_bytes)

@@ -7,7 +7,8 @@ from simtest import elementwise_op
 
 from sim.core.events import MemoryCategory, MemoryRecord, RequestOrder, Stream
 from sim.costs.request_order import backward_order, request_order
-from sim.outputs.allocator import CachingAllocator, Served, serve_record
+from sim.outputs.allocator import Served, serve_record
+from sim.outputs.caching_allocator import CachingAllocator
 from sim.workload.attention_kernel import attention_kernel_backward_requests, attention_kernel_requests
 from sim.workload.eager_attention import (
     eager_score_backward_requests,

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sim.core.events import Stream
-from sim.outputs.allocator import CachingAllocator
+from sim.outputs.caching_allocator import CachingAllocator
 
 # CUDA streams are numbered by their handle; the replay needs only which are the same
 REPLAY_STREAMS = tuple(Stream)

@@ -6,13 +6,13 @@ from collections.abc import Sequence
 
 from sim.core.events import MemoryCategory, MemoryRecord
 from sim.outputs.allocator import (
-    CachingAllocator,
     Served,
     allocator_order,
     serve_record,
     steady_state_replay,
     workspace_records,
 )
+from sim.outputs.caching_allocator import CachingAllocator
 from sim.schedule.model_state import stored_bytes, unit_stored_bytes
 from sim.simulate import SimResult
 from sim.workload.units import WrapUnit
