@@ -33,7 +33,8 @@ from sim.workload.expert_parallel import expert_parallel_view, split_at_experts
 from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
 from sim.workload.layer_op import LayerOp
-from sim.workload.layers import float_mask_bytes, model_buffer_bytes, output_logits_bytes
+from sim.workload.layers import float_mask_bytes, model_buffer_bytes
+from sim.workload.loss import output_logits_bytes
 from sim.workload.model import ModelConfig
 from sim.workload.options import AttentionImpl, OutputFormat, Strategy, WrapPolicy
 from sim.workload.shapes import Workload

@@ -122,7 +122,7 @@ def test_fsdp_steps_the_optimizer_measured_on_dtensors_and_ddp_the_plain_one():
 
 def test_every_attention_kernel_a_profile_may_name_has_its_launch_counts() -> None:
     from sim.hardware.schema import ATTENTION_KERNELS
-    from sim.workload.layers import ATTENTION_LAUNCHES
+    from sim.workload.op_counts import ATTENTION_LAUNCHES
 
     assert set(ATTENTION_LAUNCHES) == set(ATTENTION_KERNELS)
     assert all(forward >= 1 and backward >= 1 for forward, backward in ATTENTION_LAUNCHES.values())

@@ -24,7 +24,7 @@ from typing import Protocol
 from sim.core.events import RequestOrder
 from sim.costs.request_order import backward_order, request_order
 from sim.workload.layer_op import CalibrationGroup, LayerOp, figure_tensors
-from sim.workload.layers import ATTENTION_LAUNCHES
+from sim.workload.op_counts import ATTENTION_LAUNCHES
 from sim.workload.options import OptimizerName
 from sim.workload.units import Segment
 

@@ -60,7 +60,7 @@ class StepConfig:
     # returns its (k, v) (transformers < 4.36), held by nothing but the model's output
     kv_cache_in_block_inputs: bool = True
     # training.keep_outputs: the model's output a micro-batch leaves the loop holding (its logits,
-    # ``sim.workload.layers.output_logits_bytes``) until the next forward returns; 0: dropped
+    # ``sim.workload.loss.output_logits_bytes``) until the next forward returns; 0: dropped
     # with ``.loss`` at the forward's end. A KV cache is then the output's, freed with it.
     kept_output_bytes: int = 0
     # the model's float attention masks (eager attention), built once per micro-batch before the

@@ -31,10 +31,10 @@ for causal masking with flash kernels; backward is twice the forward (Narayanan 
 Each op also carries what the GPU model (``sim.costs.gpu``) needs: a linear's GEMM shape
 (M tokens, N out, K in), the attention's shape, and ``host_ops``, the Python-level PyTorch calls
 its forward makes in eager mode (counted in HF ``modeling_llama.py``, ``HOST_OPS``), each of
-which costs the host one eager dispatch.
+which costs the host one eager dispatch, and the kernels it launches (``sim.workload.op_counts``).
+The loss's logits and Liger's fused linear cross-entropy: ``sim.workload.loss``.
 """
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import cache
@@ -42,71 +42,11 @@ from functools import cache
 from sim.dtypes import FP32_BYTES, INDEX_BYTES
 from sim.workload.attention_kernel import attention_kernel_figures
 from sim.workload.layer_op import LayerKind, LayerOp
+from sim.workload.loss import fused_linear_cross_entropy
 from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
+from sim.workload.op_counts import FUSED_NORM_HOST_OPS, FUSED_NORM_LAUNCHES, HOST_OPS, LAUNCHES
 from sim.workload.options import LossKernel, NormKernel
 from sim.workload.shapes import AttentionShape, Workload
-
-# Python-level torch calls in one eager forward of each op, read from transformers'
-# modeling_llama.py: LlamaRMSNorm.forward does to(fp32), pow, mean, add(eps), rsqrt, mul, to(dtype)
-# and the weight multiply (8), plus the residual add before it (1); a Linear is one call;
-# LlamaAttention around SDPA: 3 view/transpose pairs (6), apply_rotary_pos_emb (unsqueeze x2,
-# 2 x (mul, rotate_half's 2 slices, neg and cat, mul, add) = 16), repeat_kv handled inside SDPA
-# with enable_gqa or 2 expand/reshape per tensor (4), the SDPA call (1), transpose, reshape and
-# contiguous of the output (3); the SwiGLU activation act_fn and the product (2), plus the
-# residual add after the MLP (1); the embedding lookup (1); LlamaRotaryEmbedding (expand, float,
-# matmul, transpose, cat, cos, sin, 2 muls by the scaling, 2 casts: 11); the head's logits.float()
-# and ForCausalLMLoss (pad, shift view, view x2, cross_entropy: 6).
-HOST_OPS = {"norm": 9, "linear": 1, "attention": 30, "mlp_act": 3, "embed": 1, "rotary": 11, "loss": 6}
-
-# The kernels an attention kernel launches (forward, backward), from their implementations:
-# FlashAttention-2 runs one forward kernel and three backward (``flash_bwd_dot_do_o_kernel``, the
-# dq/dk/dv kernel, ``flash_bwd_convert_dq_kernel``); the memory-efficient and cuDNN kernels one
-# forward and two backward (a preprocess and the main kernel); the eager math path, as HF's
-# ``eager_attention_forward`` writes it (and SDPA's math path alike), six forward (q @ k^T, the
-# scaling, the mask's add, the softmax, its cast back, @ v) and eight backward (two matmuls for
-# @ v, the cast, the softmax's backward, the scaling's, two matmuls for q @ k^T, the GQA heads' sum)
-ATTENTION_LAUNCHES = {"flash": (1, 3), "efficient": (1, 2), "cudnn": (1, 2), "math": (6, 8), "eager": (6, 8)}
-
-# The kernels each op of the hand-written Llama launches (forward, backward), its attention
-# kernel's own excepted: the counts ``hfmodel.trace`` measures on transformers' Llama (aten calls
-# that run a kernel), grouped as these ops group its modules. A linear's two matmuls backward; a
-# block's norm its 8 calls and the residual add before it (9), 17 backward (the residual stream's
-# gradient join among them); the final norm has no add to take (8, 16); the attention op's RoPE,
-# transposes and output copy (10), 19 backward (the two adds joining q's, k's and v's input
-# gradients among them); the SwiGLU act and product (2), 4 backward (the gate/up join among
-# them); the lookup (1, 2); the rotary tables and position ids (11, 0); the loss's cast, shift
-# and cross-entropy (5, 3). tests/test_hf_models.py checks that a block and the whole model
-# launch what the described transformers Llama does.
-LAUNCHES = {
-    "norm": (9, 17),
-    "final_norm": (8, 16),
-    "linear": (1, 2),
-    "attention": (10, 19),
-    "mlp_act": (2, 4),
-    "embed": (1, 2),
-    "rotary": (11, 0),
-    "loss": (5, 3),
-}
-
-# torchtitan's TritonFusedRMSNorm (torchtitan/models/norms.py, 2024-04, 157a12c56): forward one
-# kernel, with the input's view, ``empty_like`` for y and ``empty`` for rstd around it (host
-# calls: view, empty_like, empty, the launch, reshape); backward the ``_rms_norm_bwd_kernel_sm``
-# kernel, ``_dw.sum(0)`` and its cast to the weight's dtype, and in a block the residual stream's
-# gradient join. As in ``LAUNCHES``, a block's first norm also counts the residual add before it
-# (the block before's last); the add before its second is an op of its own (``_residual_add``)
-FUSED_NORM_HOST_OPS = 5
-FUSED_NORM_LAUNCHES = {"norm": (1, 4), "final_norm": (1, 3)}
-
-
-def output_logits_bytes(cfg: ModelConfig, w: Workload, *, fp32: bool = False) -> int:
-    """The logits a causal LM returns for one micro-batch (HF's ``outputs.logits``): lm_head's
-    output in the activation dtype (the loss's fp32 copy is its own), or, with ``fp32``, the
-    upcast copy transformers < 4.36 returned (``logits = logits.float()``); none from a fused
-    loss (Liger returns no logits when it computes the loss)."""
-    if w.loss is LossKernel.FUSED:
-        return 0
-    tokens = w.micro_batch * (w.decoder_seq_len or w.seq_len)
-    return tokens * cfg.vocab * (FP32_BYTES if fp32 else w.act_bytes)
 
 
 def _cast_bytes(a: int) -> int:
@@ -308,44 +248,6 @@ def model_buffer_bytes(cfg: ModelConfig) -> int:
     if cfg.description is not None:
         return cfg.description.buffer_bytes
     return 2 * (cfg.head_dim // 2) * FP32_BYTES
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def fused_linear_cross_entropy(
-    head: LayerOp, cfg: ModelConfig, w: Workload, params: tuple[ParamSpec, ...]
-) -> LayerOp:
-    """The head and the loss as Liger-Kernel's fused linear cross-entropy runs them
-    (``liger_kernel/ops/fused_linear_cross_entropy.py``): the tokens go through the lm_head a
-    chunk at a time, chunk = next power of two of ceil(BT / ceil(V / H)) tokens (so a chunk's
-    logits are about as large as the input); per chunk the cross-entropy kernel turns the logits
-    into their gradient in place, and the input's and the weight's gradients are accumulated right
-    away (``grad_input = zeros_like(input)``, ``grad_weight = zeros_like(weight)``, in the weight's
-    dtype). Forward runs the three matmuls; what it keeps for backward is those two gradients,
-    which backward only scales by the loss's gradient; nothing of the vocabulary's size outlives a
-    chunk."""
-    t, a, vocab, hidden = w.tokens, w.act_bytes, cfg.vocab, cfg.hidden
-    chunk = min(t, _next_power_of_two(math.ceil(t / math.ceil(vocab / hidden))))
-    gradients = t * hidden * a + vocab * hidden * a  # grad_input and grad_weight, from the start
-    return replace(
-        head,
-        name="lm_head+loss (fused)",
-        kind=LayerKind.LOSS,
-        params=params,
-        memory_bytes=float(2 * t * vocab * a),  # the CE kernel reads the logits and writes their gradient
-        backward_memory_factor=(2 * t * hidden * a + 2 * vocab * hidden * a) / (2 * t * vocab * a),
-        saved_bytes=gradients + t * INDEX_BYTES,
-        # while it runs: the two gradients, one chunk's logits and the per-token losses
-        forward_transient_bytes=gradients + chunk * vocab * a + t * FP32_BYTES,
-        backward_transient_bytes=0,
-        host_ops=HOST_OPS["linear"] + 4 * math.ceil(t / chunk),  # per chunk: mm, CE kernel, two mms
-        # the two gradients zeroed, four kernels a chunk; backward scales the two by the loss's
-        # gradient (``element_mul_kernel``)
-        launches=(2 + 4 * math.ceil(t / chunk), 2),
-        gradients_in_forward=True,
-    )
 
 
 @cache
