@@ -3,7 +3,7 @@
 The step's report, timeline and trace are made from the result by ``sim.outputs``.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
@@ -13,6 +13,7 @@ from sim.core.events import EventTable, OpKind
 from sim.core.program import Program, ProgramOp
 from sim.core.topology import GroupKind, Topology
 from sim.costs.collectives import CollectiveCost, collective_cost
+from sim.costs.compute import ComputeCosts
 from sim.costs.compute_build import build_compute_costs
 from sim.costs.offload import HostCosts
 from sim.dtypes import dtype_bytes
@@ -141,15 +142,7 @@ def build_step(
     network on that profile, ``scenario_network``, when the caller has it already)."""
     model, training, parallel = scenario.model, scenario.training, scenario.parallel
     profile = attention_profile(scenario, profile)
-    workload = Workload(
-        micro_batch=training.micro_batch,
-        seq_len=training.seq_len,
-        decoder_seq_len=training.decoder_seq_len,
-        act_bytes=dtype_bytes(scenario.param_dtype),
-        attention_kernel=profile.attention_kernel,
-        loss=training.loss,
-        norm=training.norm,
-    )
+    workload = _workload(scenario, profile)
     ops = layer_ops(model, workload)
     # DeepSpeed ZeRO hooks every module that owns parameters: one unit per linear and embedding
     units = build_units(model, WrapPolicy.LINEAR if scenario.deepspeed.enabled else parallel.wrap)
@@ -157,38 +150,10 @@ def build_step(
     if e > 1:  # this rank's experts and the work they do (sim.workload.expert_parallel)
         ops, units, expert_modules, expert_names = expert_parallel_view(ops, units, e)
     segments = split_at_experts(build_segments(ops, units), expert_modules)
-    costs = build_compute_costs(
-        profile,
-        ops,
-        model=model,
-        micro_batch=training.micro_batch,
-        seq_len=training.seq_len,
-        param_dtype=scenario.param_dtype,
-        optimizer=scenario.optimizer.name,
-        allow_scaling=scenario.cluster.compute_scaling,
-        fsdp=parallel.strategy is not Strategy.NO_SHARD
-        and parallel.fsdp_version == 2
-        and not scenario.deepspeed.enabled,
-        fsdp_version=parallel.fsdp_version,
-        lenders=builtin_devices(),
-        deepspeed_stage=scenario.deepspeed.stage if scenario.deepspeed.enabled else None,
-    )
+    costs = _compute_costs(scenario, profile, ops)
     topology = job_topology(scenario)
     network = network or scenario_network(scenario, profile)
-
-    identical = _variability(scenario, profile, network).ranks_identical
-
-    @cache
-    def collective(name: str, nbytes: int, group: GroupKind, dtype: str) -> CollectiveCost:
-        shape = topology.shape(group)
-        fabric = None
-        if network is not None and shape.size > 1:
-            # rank 0's group stands for every group of its kind; those that share its NIC are not
-            # simulated when ranks are identical, so their share of the NIC is taken here
-            peers = network.nic_peers(0) if identical else (0,)
-            sharing = len({topology.group_id(group, r) for r in peers})
-            fabric = network.fabric(topology.members(group, 0), sharing)
-        return collective_cost(name, nbytes, shape, dtype, profile, fabric)
+    collective = _collective_cost_of(scenario, profile, topology, network)
 
     step = StepConfig(
         strategy=parallel.strategy,
@@ -242,6 +207,63 @@ def build_step(
         **_expert_fields(scenario, expert_modules, expert_names, workload),
     )
     return step, topology, ops
+
+
+def _workload(scenario: Scenario, profile: HardwareProfile) -> Workload:
+    """The shapes every cost reads: the micro-batch, its sequences, the activation dtype and the
+    kernels the scenario names (``profile``: with the scenario's attention kernel)."""
+    training = scenario.training
+    return Workload(
+        micro_batch=training.micro_batch,
+        seq_len=training.seq_len,
+        decoder_seq_len=training.decoder_seq_len,
+        act_bytes=dtype_bytes(scenario.param_dtype),
+        attention_kernel=profile.attention_kernel,
+        loss=training.loss,
+        norm=training.norm,
+    )
+
+
+def _compute_costs(scenario: Scenario, profile: HardwareProfile, ops: Sequence[LayerOp]) -> ComputeCosts:
+    """The ops' costs on ``profile`` as the scenario's system runs them."""
+    parallel = scenario.parallel
+    return build_compute_costs(
+        profile,
+        ops,
+        model=scenario.model,
+        micro_batch=scenario.training.micro_batch,
+        seq_len=scenario.training.seq_len,
+        param_dtype=scenario.param_dtype,
+        optimizer=scenario.optimizer.name,
+        allow_scaling=scenario.cluster.compute_scaling,
+        fsdp=parallel.strategy is not Strategy.NO_SHARD
+        and parallel.fsdp_version == 2
+        and not scenario.deepspeed.enabled,
+        fsdp_version=parallel.fsdp_version,
+        lenders=builtin_devices(),
+        deepspeed_stage=scenario.deepspeed.stage if scenario.deepspeed.enabled else None,
+    )
+
+
+def _collective_cost_of(
+    scenario: Scenario, profile: HardwareProfile, topology: Topology, network: Network | None
+) -> Callable[[str, int, GroupKind, str], CollectiveCost]:
+    """A collective's cost by name, size, group and dtype, on rank 0's group of that kind."""
+    identical = _variability(scenario, profile, network).ranks_identical
+
+    @cache
+    def collective(name: str, nbytes: int, group: GroupKind, dtype: str) -> CollectiveCost:
+        shape = topology.shape(group)
+        fabric = None
+        if network is not None and shape.size > 1:
+            # rank 0's group stands for every group of its kind; those that share its NIC are not
+            # simulated when ranks are identical, so their share of the NIC is taken here
+            peers = network.nic_peers(0) if identical else (0,)
+            sharing = len({topology.group_id(group, r) for r in peers})
+            fabric = network.fabric(topology.members(group, 0), sharing)
+        return collective_cost(name, nbytes, shape, dtype, profile, fabric)
+
+    return collective
 
 
 def _expert_fields(
