@@ -293,13 +293,30 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         lines.append(line)
         errors += e
     worst = max(abs(e) for e in errors)
-    here = [r for r in runs if r.measured_here_bytes is not None]
-    at, held = active_peak_holdings(runs[-1])
     lines += [
         "",
         f"Worst |error| {worst:.1%} (target {MEMORY_TARGET:.0%} where published: "
         f"{'met' if worst <= MEMORY_TARGET else 'NOT met'}).",
         "",
+        _measured_here_paragraph(runs),
+        "",
+        _replay_paragraph(runs),
+        "",
+        "Not predicted:",
+        *[f"- {line}" for line in NOT_PREDICTED],
+        "",
+        "Sources and assumptions:",
+        *sorted({f"- {run.source}; {run.note}" for run in runs}),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _measured_here_paragraph(runs: list[PublishedMemoryRun]) -> str:
+    """How far the source's own code, run here, is from the published peaks, and what holds the
+    70B row's active memory above its allocated."""
+    here = [r for r in runs if r.measured_here_bytes is not None]
+    at, held = active_peak_holdings(runs[-1])
+    return (
         "The source's code run here: `python -m validation.legacy_transformers --memory-row N --site DIR` "
         "(DIR from `pip install --no-deps --target DIR transformers==4.31.0 huggingface-hub==0.16.4 "
         "tokenizers==0.13.3 peft==0.4.0`): that transformers' Llama and PEFT's LoRA under torch 2.13's FSDP1, "
@@ -318,8 +335,14 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         f"is still reducing the last units: {held['flat_grad'] / GIB:.2f} GiB of flat gradients and "
         f"{held['unsharded_flat_param'] / GIB:.2f} GiB of unsharded parameters held for the device (the "
         "source's 17 in all, on a network it does not give; the two nodes assumed AWS p4d). The LoRA rows have almost no gradients to hold: their "
-        "active is their allocated in the host's order, which the code run here measures.",
-        "",
+        "active is their allocated in the host's order, which the code run here measures."
+    )
+
+
+def _replay_paragraph(runs: list[PublishedMemoryRun]) -> str:
+    """The source's own allocation sequence through the allocator model, what was ruled out, and
+    how the simulated step asks the allocator."""
+    return (
         "The source's own allocations through the allocator model: `python -m validation.allocator_replay "
         "--memory-row N --site DIR` logs every storage that code allocates and frees in its step, in order "
         "(unsharded flat parameters on the unshard stream, `_reduce_grad`'s on the post-backward stream), and "
@@ -366,12 +389,5 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "with the published figure partly a compensation (its eager backward's 2.12 GiB a block asked for as "
         "one tensor, which no 2 GiB hole takes: a segment the real sequence does not reserve) and the second "
         "row's six 2 GiB segments where the real sequence takes nine (the 64 MiB tensors the forward keeps, "
-        "asked for between its ops' transients, split the holes the scores leave).",
-        "",
-        "Not predicted:",
-        *[f"- {line}" for line in NOT_PREDICTED],
-        "",
-        "Sources and assumptions:",
-        *sorted({f"- {run.source}; {run.note}" for run in runs}),
-    ]
-    return "\n".join(lines) + "\n"
+        "asked for between its ops' transients, split the holes the scores leave)."
+    )
