@@ -109,6 +109,30 @@ class ScheduleBuilder(OpEmitter):
     ) -> int:
         """Segment ``i``'s forward: it saves its activations (a checkpointed block only its input,
         its intermediates living while the block runs) and holds its transient while it runs."""
+        seg, fig = self.cfg.segments[i], self.cfg.figures[i]
+        allocs, frees, transient_alloc = self._forward_saves(i, mb, acts)
+        end_allocs, output_frees = self._cache_and_output(i, mb, acts)
+        frees += output_frees
+        allocs += self._float_masks_made(i, mb, acts)
+        frees += self._float_masks_dropped(i, acts, backward=False)
+        allocs += [*extra_allocs, transient_alloc]
+        frees += [transient_alloc.label, *extra_frees]
+        return self.compute(
+            OpKind.FORWARD,
+            seg.name,
+            seg.unit,
+            mb,
+            fig.forward_s,
+            allocs=tuple(allocs),
+            frees=tuple(frees),
+            end_allocs=end_allocs,
+            host_s=fig.forward_host_s,
+            launches=fig.forward_launches,
+        )
+
+    def _forward_saves(self, i: int, mb: int, acts: Activations) -> tuple[list[Alloc], list[str], Alloc]:
+        """What segment ``i``'s forward saves and allocates for itself, which of it the forward
+        frees again (a checkpointed block's saves, recomputed in backward), and its transient."""
         cfg, seg, fig = self.cfg, self.cfg.segments[i], self.cfg.figures[i]
         allocs: list[Alloc] = []
         frees: list[str] = []
@@ -144,26 +168,44 @@ class ScheduleBuilder(OpEmitter):
         allocs.append(saved_alloc)
         if self.checkpointed(i):
             frees.append(saved)
-            if fig.saved_after_block_bytes and not next_region_checkpointed(self.cfg, i):
-                label = self.label("kept_after_block", seg.unit, mb)
-                acts.kept_after_block.setdefault(block, []).append(label)  # type: ignore[arg-type]
-                allocs.append(
-                    Alloc(label=label, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_after_block_bytes)
-                )
-            if cfg.checkpoint.selective_op and fig.sac_kept_bytes:
-                acts.kept[i] = self.label("sac_kept", seg.unit, mb)
-                allocs.append(
-                    Alloc(label=acts.kept[i], category=MemoryCategory.ACTIVATIONS, bytes=fig.sac_kept_bytes)
-                )
+            allocs += self._kept_past_checkpoint(i, mb, acts)
         else:
             acts.saved[i] = saved
+        return allocs, frees, transient_alloc
+
+    def _kept_past_checkpoint(self, i: int, mb: int, acts: Activations) -> list[Alloc]:
+        """What a checkpointed segment's forward keeps for backward all the same: the saves that
+        outlive the block when the next region is not checkpointed, and selective op
+        checkpointing's kept outputs."""
+        cfg, seg, fig = self.cfg, self.cfg.segments[i], self.cfg.figures[i]
+        allocs: list[Alloc] = []
+        if fig.saved_after_block_bytes and not next_region_checkpointed(cfg, i):
+            label = self.label("kept_after_block", seg.unit, mb)
+            acts.kept_after_block.setdefault(seg.block, []).append(label)  # type: ignore[arg-type]
+            allocs.append(
+                Alloc(label=label, category=MemoryCategory.ACTIVATIONS, bytes=fig.saved_after_block_bytes)
+            )
+        if cfg.checkpoint.selective_op and fig.sac_kept_bytes:
+            acts.kept[i] = self.label("sac_kept", seg.unit, mb)
+            allocs.append(
+                Alloc(label=acts.kept[i], category=MemoryCategory.ACTIVATIONS, bytes=fig.sac_kept_bytes)
+            )
+        return allocs
+
+    def _cache_and_output(self, i: int, mb: int, acts: Activations) -> tuple[tuple[Alloc, ...], list[str]]:
+        """What segment ``i`` leaves behind when it ends (a checkpointed block's KV cache, the
+        step's kept output), and what it frees (the output and cache held from before, or the
+        cache nothing holds)."""
+        cfg, seg = self.cfg, self.cfg.segments[i]
+        block = seg.block
+        frees: list[str] = []
         # model.use_cache: the cache keeps a checkpointed block's K/V past the block (an unchecked
         # block's are saved for its backward anyway: the cache shares their storage); until its
         # attention has run they are the block's own tensors, so the cache takes them from the
         # end of the segment that runs it
         cached = cfg.kv_cache_bytes[block] if cfg.kv_cache_bytes and block is not None else 0
         end_allocs: tuple[Alloc, ...] = ()
-        if cached and self.checkpointed(i) and i == attention_segment(self.cfg, block):
+        if cached and self.checkpointed(i) and i == attention_segment(cfg, block):
             cache = self.label("kv_cache", seg.unit, mb)
             acts.kv_cache.append(cache)
             end_allocs = (Alloc(label=cache, category=MemoryCategory.ACTIVATIONS, bytes=cached),)
@@ -178,25 +220,10 @@ class ScheduleBuilder(OpEmitter):
                 Alloc(label=logits, category=MemoryCategory.ACTIVATIONS, bytes=cfg.kept_output_bytes),
             )
             self.held_output, self.held_cache = [logits], acts
-        elif i == len(cfg.segments) - 1 and cache_holder(self.cfg) is None:  # the output (and cache) dropped
+        elif i == len(cfg.segments) - 1 and cache_holder(cfg) is None:  # the output (and cache) dropped
             frees += acts.kv_cache
             acts.kv_cache = []
-        allocs += self._float_masks_made(i, mb, acts)
-        frees += self._float_masks_dropped(i, acts, backward=False)
-        allocs += [*extra_allocs, transient_alloc]
-        frees += [transient, *extra_frees]
-        return self.compute(
-            OpKind.FORWARD,
-            seg.name,
-            seg.unit,
-            mb,
-            fig.forward_s,
-            allocs=tuple(allocs),
-            frees=tuple(frees),
-            end_allocs=end_allocs,
-            host_s=fig.forward_host_s,
-            launches=fig.forward_launches,
-        )
+        return end_allocs, frees
 
     def _float_masks_made(self, i: int, mb: int, acts: Activations) -> list[Alloc]:
         """HF's eager attention masks (``StepConfig.float_mask_bytes``), built by the decoder
