@@ -262,54 +262,9 @@ class ComputeCosts:
         saved_total = round(sum(saved))
         measured = all(self._scale(op, q) == 1.0 for op in seg.ops for q in ("saved", *TRANSIENTS))
 
-        def beyond_saved(quantity: str) -> tuple[int, tuple[int, ...]]:
-            """The segment's transient, on top of all its saved bytes (which the schedule holds
-            for the whole op): ops run one after another, and while op i runs the segment holds
-            what ops up to i saved (in backward, what ops after it have not yet released) and
-            op i's transient; the largest such sum, less the segment's saved total. Its tensors:
-            those of the op where it peaks, less what later ops' saves already hold."""
-            kept, peak, at = 0.0, 0.0, None
-            for op, nbytes in zip(seg.ops, saved, strict=True):
-                kept += nbytes
-                here = kept + getattr(op, f"{quantity}_bytes") * self._scale(op, quantity)
-                if here > peak:
-                    peak, at = here, op
-            nbytes = max(0, round(peak) - saved_total)
-            return nbytes, _trimmed(at.tensors(quantity), nbytes) if measured and at is not None else ()
-
-        forward_transient, forward_pieces = beyond_saved("forward_transient")
+        forward_transient, forward_pieces = self._beyond_saved(seg, saved, "forward_transient", measured)
         trainable = [tuple(p.numel for p in op.params if p.trainable) for op in seg.ops]
-        # in backward, a saved storage is alive until its first saver's backward has run
-        # (``LayerOp.saved_released_ahead``). The schedule holds the segment's saved bytes through
-        # its whole backward: beyond them, op j holds its transient less what the backwards after
-        # it (this segment's later ops', and later segments' for saves whose first saver is
-        # there) have already freed of those saves
-        count = len(seg.ops)
-        freed_at = [0.0] * count
-        freed_before = 0.0  # by a later segment's backward, before this one starts
-        for i, (op, nbytes) in enumerate(zip(seg.ops, saved, strict=True)):
-            scale = self._scale(op, "saved")
-            ahead = 0.0
-            for d, b in op.saved_released_ahead:
-                ahead += b * scale
-                if i + d < count:
-                    freed_at[i + d] += b * scale
-                else:
-                    freed_before += b * scale
-            freed_at[i] += nbytes - ahead
-        steps, freed_after = [], freed_before + sum(freed_at)
-        for j, op in enumerate(seg.ops):
-            freed_after -= freed_at[j]
-            beyond = round(op.backward_transient_bytes * self._scale(op, "backward_transient") - freed_after)
-            steps.append(
-                BackwardStep(
-                    beyond_saved_bytes=beyond,
-                    pieces=_trimmed(op.tensors("backward_transient"), beyond)
-                    if measured and beyond > 0
-                    else (),
-                    later_grad_numels=tuple(n for later in trainable[j + 1 :] for n in later),
-                )
-            )
+        steps = self._backward_steps(seg, saved, trainable, measured)
         peak_step = max(steps, key=lambda st: st.beyond_saved_bytes, default=None)
         backward_transient = max(0, peak_step.beyond_saved_bytes) if peak_step else 0
         backward_pieces = peak_step.pieces if peak_step else ()
@@ -355,6 +310,58 @@ class ComputeCosts:
             else None,
             backward_order=backward_order(seg.ops) if measured else None,
         )
+
+    def _beyond_saved(
+        self, seg: Segment, saved: list[float], quantity: str, measured: bool
+    ) -> tuple[int, tuple[int, ...]]:
+        """The segment's transient, on top of all its saved bytes (which the schedule holds for
+        the whole op): ops run one after another, and while op i runs the segment holds what ops
+        up to i saved and op i's transient; the largest such sum, less the segment's saved total.
+        Its tensors: those of the op where it peaks, less what later ops' saves already hold."""
+        kept, peak, at = 0.0, 0.0, None
+        for op, nbytes in zip(seg.ops, saved, strict=True):
+            kept += nbytes
+            here = kept + getattr(op, f"{quantity}_bytes") * self._scale(op, quantity)
+            if here > peak:
+                peak, at = here, op
+        nbytes = max(0, round(peak) - round(sum(saved)))
+        return nbytes, _trimmed(at.tensors(quantity), nbytes) if measured and at is not None else ()
+
+    def _backward_steps(
+        self, seg: Segment, saved: list[float], trainable: list[tuple[int, ...]], measured: bool
+    ) -> list[BackwardStep]:
+        """Each op's backward beyond the segment's saved bytes. In backward a saved storage is
+        alive until its first saver's backward has run (``LayerOp.saved_released_ahead``). The
+        schedule holds the segment's saved bytes through its whole backward: beyond them, op j
+        holds its transient less what the backwards after it (this segment's later ops', and
+        later segments' for saves whose first saver is there) have already freed of those saves."""
+        count = len(seg.ops)
+        freed_at = [0.0] * count
+        freed_before = 0.0  # by a later segment's backward, before this one starts
+        for i, (op, nbytes) in enumerate(zip(seg.ops, saved, strict=True)):
+            scale = self._scale(op, "saved")
+            ahead = 0.0
+            for d, b in op.saved_released_ahead:
+                ahead += b * scale
+                if i + d < count:
+                    freed_at[i + d] += b * scale
+                else:
+                    freed_before += b * scale
+            freed_at[i] += nbytes - ahead
+        steps, freed_after = [], freed_before + sum(freed_at)
+        for j, op in enumerate(seg.ops):
+            freed_after -= freed_at[j]
+            beyond = round(op.backward_transient_bytes * self._scale(op, "backward_transient") - freed_after)
+            steps.append(
+                BackwardStep(
+                    beyond_saved_bytes=beyond,
+                    pieces=_trimmed(op.tensors("backward_transient"), beyond)
+                    if measured and beyond > 0
+                    else (),
+                    later_grad_numels=tuple(n for later in trainable[j + 1 :] for n in later),
+                )
+            )
+        return steps
 
     def copy_s(self, nbytes: float) -> float:
         """A device-to-device copy of ``nbytes`` (FSDP2 all-gather copy-out, reduce-scatter copy-in)."""
