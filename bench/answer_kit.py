@@ -1,5 +1,5 @@
-"""What the README's generated answers are made with (``bench.answers``,
-``bench.answers_offload``, ``bench.answers_tools``): each scenario simulated once per process, the sentence checks
+"""What the README's generated answers are made with (``bench.answers`` and its ``bench.answers_*``
+modules): each scenario simulated once per process, the sentence checks
 (``claim``: a README sentence that no longer holds stops generation) and the README's formatting
 (times in ms, percentages, GiB cells, paragraphs wrapped at its width, tables)."""
 
@@ -34,7 +34,7 @@ def claim(holds: bool, sentence: str) -> None:
     """Stop when the README sentence ``sentence`` (or the part of it quoted) is false."""
     if not holds:
         raise ProseOutdated(
-            f"no longer true with the current figures, rewrite it in bench/answers.py (or answers_offload.py, answers_tools.py): {sentence!r}"
+            f"no longer true with the current figures, rewrite it in the bench/answers_*.py module that writes it: {sentence!r}"
         )
 
 
