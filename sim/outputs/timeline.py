@@ -26,10 +26,15 @@ from typing import Any
 from sim.core.events import EventTable, OpKind, OpRecord, Stream
 from sim.fileio import write_text_atomic
 from sim.outputs.allocator import ReservedCurve
-from sim.outputs.display import BYTES_PER_GIB, MS_PER_S, fmt_bytes
+from sim.outputs.display import MS_PER_S, fmt_bytes
 from sim.outputs.intervals import exposed_comm_intervals, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curves
-from sim.outputs.timeline_memory import memory_traces, reserved_traces, total_memory_trace
+from sim.outputs.timeline_memory import (
+    device_memory_trace,
+    memory_traces,
+    reserved_traces,
+    total_memory_trace,
+)
 
 REPRESENTATIVE_FROM = 16  # with this many ranks or more, draw only representative ranks
 LANE_PX = 26
@@ -301,34 +306,7 @@ def timeline_figure(
         if memory_rank is not None
         else default_memory_rank(main.shown, main.memory)
     )
-    device = device or DeviceLines()
-    memory_of: dict[int, list[int]] = {}
-    for s in main.shown:
-        first, visible = len(traces), s.sim_rank == chosen
-        traces += memory_traces(main.memory[s.sim_rank], end_s, s.label, mem_row, visible)
-        reserved = device.reserved_of(s.sim_rank) if device.reserved_of is not None else None
-        if reserved is not None:
-            overhead = device.overhead_of(s.sim_rank) if device.overhead_of is not None else 0
-            traces += reserved_traces(reserved, overhead, end_s, s.label, mem_row, visible)
-        memory_of[s.sim_rank] = list(range(first, len(traces)))
-    for p in panels[1:]:
-        other = default_memory_rank(p.shown, p.memory)
-        traces.append(total_memory_trace(p.memory[other], end_s, f"{p.label}, rank {other}", mem_row))
-    if device.memory_bytes is not None:
-        traces.append(
-            (
-                dict(
-                    type="scatter",
-                    name=f"device memory {fmt_bytes(device.memory_bytes)}",
-                    x=[0, end_s * MS_PER_S],
-                    y=[device.memory_bytes / BYTES_PER_GIB] * 2,
-                    mode="lines",
-                    line=dict(color="red", dash="dot", width=2),
-                    hoverinfo="name",
-                ),
-                mem_row,
-            )
-        )
+    memory_of = _memory_panel(traces, panels, chosen, device or DeviceLines(), end_s, mem_row)
     for trace, row in traces:
         fig.add_trace(trace, row=row, col=1)
     for i, panel in enumerate(panels):
@@ -347,6 +325,35 @@ def timeline_figure(
     if len(main.shown) > 1:
         fig.update_layout(updatemenus=[rank_selector(main, memory_of, chosen)])
     return fig
+
+
+def _memory_panel(
+    traces: list[tuple[Any, int]],
+    panels: list[Panel],
+    chosen: int,
+    device: DeviceLines,
+    end_s: float,
+    mem_row: int,
+) -> dict[int, list[int]]:
+    """The memory row's traces, appended to ``traces``: each shown rank's curves (``chosen``'s
+    visible) with its reserved memory where known, each compared run's total, the device's
+    memory; returns each shown rank's trace indices (for the rank selector)."""
+    main = panels[0]
+    memory_of: dict[int, list[int]] = {}
+    for s in main.shown:
+        first, visible = len(traces), s.sim_rank == chosen
+        traces += memory_traces(main.memory[s.sim_rank], end_s, s.label, mem_row, visible)
+        reserved = device.reserved_of(s.sim_rank) if device.reserved_of is not None else None
+        if reserved is not None:
+            overhead = device.overhead_of(s.sim_rank) if device.overhead_of is not None else 0
+            traces += reserved_traces(reserved, overhead, end_s, s.label, mem_row, visible)
+        memory_of[s.sim_rank] = list(range(first, len(traces)))
+    for p in panels[1:]:
+        other = default_memory_rank(p.shown, p.memory)
+        traces.append(total_memory_trace(p.memory[other], end_s, f"{p.label}, rank {other}", mem_row))
+    if device.memory_bytes is not None:
+        traces.append(device_memory_trace(device.memory_bytes, end_s, mem_row))
+    return memory_of
 
 
 def rank_selector(panel: Panel, memory_of: dict[int, list[int]], chosen: int) -> dict[str, Any]:

@@ -140,3 +140,19 @@ def total_memory_trace(curve: MemoryCurve, end_s: float, label: str, row: int) -
         ),
         row,
     )
+
+
+def device_memory_trace(memory_bytes: int, end_s: float, row: int) -> tuple[Any, int]:
+    """The device's memory, a dotted red line across the step."""
+    return (
+        dict(
+            type="scatter",
+            name=f"device memory {fmt_bytes(memory_bytes)}",
+            x=[0, end_s * MS_PER_S],
+            y=[memory_bytes / BYTES_PER_GIB] * 2,
+            mode="lines",
+            line=dict(color="red", dash="dot", width=2),
+            hoverinfo="name",
+        ),
+        row,
+    )
