@@ -13,7 +13,7 @@ from typing import Any
 
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
-from validation.fake_memory import measure_fake_memory_subprocess
+from validation.fake_memory_child import measure_fake_memory_subprocess
 from validation.memory_only import compare_memory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -151,7 +151,7 @@ def test_the_profile_refuses_another_model_in_one_line(
 
 
 def test_the_matrix_rows_of_described_models_are_their_own_system() -> None:
-    from validation.matrix import HF_BASE, HF_MATRIX, MATRIX, system_of
+    from validation.matrix_rows import HF_BASE, HF_MATRIX, MATRIX, system_of
 
     assert [system_of(o) for _, o in HF_MATRIX] == ["hf"] * len(HF_MATRIX) and len(HF_MATRIX) == 7
     assert all(system_of(o) != "hf" for name, o in MATRIX if (name, o) not in HF_MATRIX)

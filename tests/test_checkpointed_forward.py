@@ -28,7 +28,7 @@ def _measured_block_forward_peak(attention: str) -> int:
     from torch.utils._pytree import tree_flatten
 
     from hfmodel.build import build_causal_lm, hf_config
-    from validation.fake_memory import one_sequence_per_row
+    from validation.fake_mode_patches import one_sequence_per_row
 
     class Window(TorchDispatchMode):
         def __init__(self) -> None:

@@ -22,12 +22,10 @@ from calibrate.launch import free_port
 from sim.errors import UserError
 from sim.scenario.loader import load_scenario
 from sim.workload.model import param_specs
-from validation.fake_memory import (
-    CATEGORIES,
-    measure_fake_memory,
-    measure_fake_memory_subprocess,
-    one_sequence_per_row,
-)
+from validation.fake_memory import measure_fake_memory
+from validation.fake_memory_child import measure_fake_memory_subprocess
+from validation.fake_mode_patches import one_sequence_per_row
+from validation.peak_tracker import CATEGORIES
 
 pytestmark = pytest.mark.slow  # real torch.distributed processes
 

@@ -191,7 +191,7 @@ def test_real_fsdp2_with_cpu_offload_policy_on_this_cpu_keeps_its_peak_as_predic
     from pathlib import Path
 
     from validation.build import _offload_policy
-    from validation.fake_memory import measure_fake_memory_subprocess
+    from validation.fake_memory_child import measure_fake_memory_subprocess
     from validation.memory_only import compare_memory
 
     tiny = str(Path(__file__).resolve().parents[1] / "scenarios" / "tiny.toml")

@@ -105,7 +105,7 @@ def _matrix(args: argparse.Namespace) -> int:
 
 
 def _systems(text: str | None) -> set[str] | None:
-    from validation.matrix import SYSTEMS
+    from validation.matrix_rows import SYSTEMS
 
     if text is None:
         return None

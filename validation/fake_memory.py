@@ -23,43 +23,39 @@ materialise a mask (plus, with GQA, copies of K and V), where the real run passe
 NO_SHARD (DDP) is not supported: DDP's reducer needs real tensors. FSDP1
 (``parallel.fsdp_version = 1``, NO_SHARD included) runs the same way, measured by the storage-level
 tracker of the real FSDP1 runs (``validation.step_memory``).
+
+This module holds the measurement itself and its command line; the rest of it lives in
+``validation.kernel_recorder`` (which attention and loss kernels ran), ``validation.peak_tracker``
+(FSDPMemTracker noting where its peak was; the simulator's categories), ``validation.fake_mode_patches``
+(``one_sequence_per_row`` and the other patches that keep a fake step on the real step's path) and
+``validation.fake_memory_child`` (``measure_fake_memory_subprocess``: this module run as a child).
 """
 
 import contextlib
 import json
-import os
 import resource
 import sys
 import time
-from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from sim.childproc import ChildTimeout, run_module
 from sim.errors import UserError
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.workload.options import FinetuneMethod, Strategy
 from validation.build import build_scenario_model, wrap
+from validation.fake_mode_patches import (
+    catch_all_reshard_by_storage,
+    one_sequence_per_row,
+    post_forward_meshes_outside_fake_mode,
+)
+from validation.kernel_recorder import KernelRecorder, attention_kernel
+from validation.peak_tracker import categories, peak_tracker_class, tracker_key_name
 from validation.step_memory import AllocationLog
 from validation.tracker_hooks import module_tracking_holds_no_gradients
-from validation.worker import TRACKER_CATEGORIES, Trainer, _mesh
-
-CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
-# aten ops that tell which attention / loss kernel a CPU step ran
-KERNEL_OPS = {
-    "attention": ("scaled_dot_product", "aten._softmax.", "aten._safe_softmax."),
-    "loss": ("nll_loss", "cross_entropy", "log_softmax"),
-}
-# attention's mask arguments across the SDPA overloads (flash/math take attn_mask, efficient/cudnn attn_bias)
-MASK_ARGS = ("attn_mask", "attn_bias")
-PEAK_TOP = 10  # storage sizes listed per category in ``peak_detail``
+from validation.worker import Trainer, _mesh
 
 
 class FakeTrainer(Trainer):
@@ -75,167 +71,6 @@ class FakeTrainer(Trainer):
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
         self.optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
         self.autocast = False  # FSDP2 mixed precision is the MixedPrecisionPolicy, not autocast
-
-
-class KernelRecorder(TorchDispatchMode):
-    """Records the aten overloads of the attention and loss kernels a step dispatches.
-
-    ``kernels["attention_mask"]`` says how the forward SDPA kernels were masked: "is_causal" (no
-    mask tensor, the causal flag), "mask" (an explicit mask tensor) or "none".
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernels: dict[str, list[str]] = {kind: [] for kind in KERNEL_OPS}
-        self.kernels["attention_mask"] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        for kind, words in KERNEL_OPS.items():
-            if any(w in name for w in words) and name not in self.kernels[kind]:
-                self.kernels[kind].append(name)
-        if "scaled_dot_product" in name and "backward" not in name:
-            masking = _attention_masking(func, args, kwargs or {})
-            if masking not in self.kernels["attention_mask"]:
-                self.kernels["attention_mask"].append(masking)
-        return func(*args, **(kwargs or {}))
-
-
-def _attention_masking(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """ "mask", "is_causal" or "none" for one call of an SDPA overload (arguments bound by its schema)."""
-    bound = dict(kwargs)
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            bound[arg.name] = args[i]
-    if any(bound.get(a) is not None for a in MASK_ARGS):
-        return "mask"
-    return "is_causal" if bound.get("is_causal") else "none"
-
-
-@contextlib.contextmanager
-def one_sequence_per_row(model: nn.Module) -> Iterator[None]:
-    """Decide transformers' causal mask as the real run does: no packed sequences.
-
-    Without a KV cache and without an ``attention_mask``, transformers' ``create_causal_mask``
-    looks for packed sequences in ``position_ids`` (``masking_utils.find_packed_sequence_indices``:
-    a position that does not follow its predecessor starts a new sequence). Reading the positions
-    is data dependent, so for a FakeTensor (``is_tracing`` counts FakeTensors as tracing) it gives
-    up and returns its fake result as if packed; ``create_causal_mask`` then materialises a mask
-    instead of leaving SDPA its ``is_causal`` flag, and with GQA ``repeat_kv`` copies K and V
-    (``use_gqa_in_sdpa`` needs no mask). Real runs, on the CPU and on GPUs alike, read the
-    positions, find one sequence per row and take the mask-free path.
-
-    Inside this context a FakeTensor of positions is answered "not packed" (None), which is
-    exactly what the real run finds: ``validation.worker`` passes only ``input_ids`` and
-    ``labels``, so the positions are the model's own ``arange(seq_len)`` on every row. A forward
-    that is given ``position_ids`` or an ``attention_mask`` (whose values fake tensors lack)
-    raises a UserError instead of being measured on the wrong path. Real tensors, and
-    everything outside the context, keep transformers' own decision.
-    """
-    from torch._subclasses.fake_tensor import FakeTensor
-    from transformers import masking_utils
-
-    original = masking_utils.find_packed_sequence_indices
-
-    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
-        if isinstance(position_ids, FakeTensor):
-            return None  # the model's own arange positions: one sequence per row
-        return original(position_ids)
-
-    def refuse_value_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        given = [k for k in ("position_ids", "attention_mask") if kwargs.get(k) is not None]
-        if given:
-            raise UserError(
-                f"fake memory measurement: the step passes {' and '.join(given)}; deciding the "
-                "attention mask from them needs their values, which fake tensors do not have"
-            )
-
-    hook = model.register_forward_pre_hook(refuse_value_inputs, with_kwargs=True)
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-        hook.remove()
-
-
-def attention_kernel(kernels: dict[str, list[str]]) -> str:
-    """The simulator's ``backend.attention_kernel`` for the recorded ops: "flash" (a fused
-    kernel), "math" (SDPA's math path, which softmaxes with ``_safe_softmax``) or "eager" (the
-    model's own attention: ``_softmax``, Gemma 2's soft-capping)."""
-    names = kernels.get("attention", [])
-    if any("flash" in n or "efficient" in n or "cudnn" in n for n in names):
-        return "flash"
-    return "math" if any("_safe_softmax" in n for n in names) else "eager"
-
-
-def _tracker_class() -> type:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    class PeakTracker(FSDPMemTracker):
-        """FSDPMemTracker that also notes where the peak happened (and, with detail, what was live)."""
-
-        def __init__(self, *args: Any, detail: bool = False, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self.detail = detail
-            self.last_op = ""
-            self.peak_where: dict[str, Any] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.last_op = str(func)
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-        def _track(self, reftype: Any, t: torch.Tensor) -> None:
-            super()._track(reftype, t)
-            if self.detail:  # note the op that created each storage
-                from torch.distributed._tools.common_utils import get_untyped_storages
-
-                for st in get_untyped_storages(t):
-                    winfo, _ = self._WINFO.get(st, (None, None))
-                    if winfo is not None and not hasattr(winfo, "created_by"):
-                        winfo.created_by = self.last_op.removeprefix("aten.").removesuffix(".default")
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            before = dict(self._peak_mem)
-            super()._update_peak_stats(peak_state)
-            if self._peak_mem != before:
-                phase = "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
-                self.peak_where = {
-                    "op": self.last_op,
-                    "phase": phase,
-                    "modules": sorted(self._mod_tracker.parents),
-                }
-                if self.detail:
-                    self.peak_where["storages"] = self._live_storages()
-
-        def _live_storages(self) -> dict[str, list[list[Any]]]:
-            """Per tracker category, the largest groups of live storages: [[bytes, count, op], ...]."""
-            sizes: Counter[tuple[str, int, str]] = Counter()
-            for winfo, w_st in list(self._WINFO.values()):
-                if w_st() is not None and winfo.mem_consumed > 0:
-                    op = getattr(winfo, "created_by", "before the step")
-                    sizes[(_name(winfo.reftype), winfo.mem_consumed, op)] += 1
-            out: dict[str, list[list[Any]]] = {}
-            for (category, nbytes, op), count in sorted(sizes.items(), key=lambda kv: -kv[0][1] * kv[1]):
-                if len(out.setdefault(category, [])) < PEAK_TOP:
-                    out[category].append([nbytes, count, op])
-            return out
-
-    return PeakTracker
-
-
-def _name(key: Any) -> str:
-    return str(getattr(key, "value", key))  # tracker keys are str enums (_FSDPRefType) and "Total"
-
-
-def categories(snapshot: dict[str, int]) -> dict[str, int]:
-    """A tracker snapshot in the simulator's categories (``validation.worker.TRACKER_CATEGORIES``)."""
-    out = dict.fromkeys(CATEGORIES, 0)
-    for name, value in snapshot.items():
-        if name != "Total":
-            key = TRACKER_CATEGORIES.get(name, "other")
-            out[key] = out.get(key, 0) + int(value)
-    return out
 
 
 def _check_supported(scenario: Scenario) -> None:
@@ -293,7 +128,7 @@ def measure_fake_memory(
         mesh = _mesh(scenario)  # outside the fake mode: DeviceMesh needs real rank tensors
         real = _uses_real_tensors(scenario)
         with contextlib.nullcontext() if real else FakeTensorMode(), _kernels(real):
-            with _post_forward_meshes_outside_fake_mode():
+            with post_forward_meshes_outside_fake_mode():
                 trainer = FakeTrainer(scenario, mesh)
             with one_sequence_per_row(trainer.model), catch_all_reshard_by_storage():
                 with KernelRecorder() as recorder:
@@ -313,72 +148,17 @@ def measure_fake_memory(
     }
 
 
-@contextlib.contextmanager
-def catch_all_reshard_by_storage() -> Iterator[None]:
-    """FSDP1's final callback reshards what no hook did (``_catch_all_reshard``: a frozen flat
-    parameter whose unit's inputs need no gradient) unless ``flat_param.data_ptr()`` is already its
-    local shard's; every fake tensor's pointer is 0, so in fake mode it never reshards and the
-    unsharded parameters live into the next step. The same test by storage identity, which fake
-    tensors keep; the reshard itself is FSDP1's."""
-    from torch.distributed.fsdp import _runtime_utils
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    original = _runtime_utils._catch_all_reshard
-
-    def by_storage(state: Any) -> None:
-        handle = state._handle
-        if not handle:
-            return
-        flat = handle.flat_param
-        same = (
-            StorageWeakRef(flat.untyped_storage()).cdata
-            == StorageWeakRef(flat._local_shard.untyped_storage()).cdata
-        )
-        if same and not handle._skipped_use_sharded_views:
-            return
-        _runtime_utils._reshard(state, handle, _runtime_utils._should_free_in_backward(state, handle))
-
-    _runtime_utils._catch_all_reshard = by_storage
-    try:
-        yield
-    finally:
-        _runtime_utils._catch_all_reshard = original
-
-
-@contextlib.contextmanager
-def _post_forward_meshes_outside_fake_mode() -> Iterator[None]:
-    """An integer ``reshard_after_forward`` makes ``fully_shard`` build a post-forward
-    ``DeviceMesh`` (``_fsdp_init._get_post_forward_mesh_info``), whose rank tensors must be real,
-    as ``_mesh`` builds the step's mesh outside the fake mode; the mesh itself is FSDP2's own."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
-
-    original = _fsdp_init._get_post_forward_mesh_info
-
-    def outside(*args: Any, **kwargs: Any) -> Any:
-        with unset_fake_temporarily():
-            return original(*args, **kwargs)
-
-    _fsdp_init._get_post_forward_mesh_info = outside
-    _fully_shard._get_post_forward_mesh_info = outside
-    try:
-        yield
-    finally:
-        _fsdp_init._get_post_forward_mesh_info = original
-        _fully_shard._get_post_forward_mesh_info = original
-
-
 def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     from hfmodel.finetune import quant_state_bytes
 
-    tracker = _tracker_class()(trainer.model, trainer.optimizer, detail=detail)
+    tracker = peak_tracker_class()(trainer.model, trainer.optimizer, detail=detail)
     # FSDPMemTracker refuses a module's second forward in one tracked step; its module
     # statistics are reset between micro-batches (the peak is kept)
     trainer.after_microbatch = tracker.reset_mod_stats  # type: ignore[method-assign]
     with module_tracking_holds_no_gradients(), tracker:
         _tracked_steps(trainer)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    raw = {_name(name): int(value) for name, value in snapshot.items()}
+    raw = {tracker_key_name(name): int(value) for name, value in snapshot.items()}
     quant = quant_state_bytes(trainer.model)  # QLoRA's, allocated before the step: not tracked
     if quant:
         raw["Quant State"] = quant
@@ -407,54 +187,6 @@ def _tracked_steps(trainer: FakeTrainer) -> None:
     trainer.step(1)
     if trainer.scenario.training.keep_outputs:
         trainer.step(2)
-
-
-def measure_fake_memory_subprocess(
-    scenario_path: str, overrides: list[str], timeout_s: float, detail: bool = False
-) -> dict[str, Any]:
-    """``measure_fake_memory`` in a ``python -m validation.fake_memory`` child of its own, forked
-    from a server that imported torch and transformers once (``sim.childproc``).
-
-    Adds ``process_wall_s`` (the child's whole run; the server's imports only in a process's
-    first) and ``max_rss_bytes`` (the child's peak resident memory, the imported packages
-    included). A failing or timed-out child raises a UserError.
-    """
-    args = [str(scenario_path)]
-    for text in overrides:
-        args += ["--set", text]
-    if detail:
-        args.append("--detail")
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    start = time.perf_counter()
-    try:  # forked from a server that imported torch and transformers once (sim.childproc)
-        proc = run_module(
-            "validation.fake_memory",
-            args,
-            env=env,
-            cwd=root,
-            timeout_s=timeout_s,
-            preload=("validation.fake_memory",),
-        )
-    except ChildTimeout:
-        raise UserError(
-            f"fake memory measurement of {scenario_path} {' '.join(overrides)} timed out after {timeout_s:.0f} s"
-        ) from None
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
-        raise UserError(
-            f"fake memory measurement of {scenario_path} {' '.join(overrides)} failed "
-            f"(exit code {proc.returncode}):\n{tail}"
-        )
-    try:
-        result: dict[str, Any] = json.loads(lines[-1])
-    except json.JSONDecodeError:
-        raise UserError(
-            f"fake memory measurement of {scenario_path}: no JSON in the child's output"
-        ) from None
-    result["process_wall_s"] = time.perf_counter() - start
-    return result
 
 
 def main(argv: list[str]) -> int:

@@ -42,7 +42,7 @@ def validate_memory_only(
     scenario_path: str, overrides: list[str], timeout_s: float
 ) -> tuple[Comparison, dict[str, Any]]:
     from validation.build_fsdp1 import check_runs_here
-    from validation.fake_memory import measure_fake_memory_subprocess
+    from validation.fake_memory_child import measure_fake_memory_subprocess
 
     scenario = load_scenario(scenario_path, overrides)  # a user mistake fails here, before anything runs
     check_runs_here(scenario)

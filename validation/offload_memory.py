@@ -22,8 +22,9 @@ import torch
 
 from sim.outputs.display import gib
 from sim.scenario.loader import load_scenario
-from validation.fake_memory import measure_fake_memory_subprocess
-from validation.matrix import MEMORY_BASE, write_between_markers
+from validation.fake_memory_child import measure_fake_memory_subprocess
+from validation.marked_sections import write_between_markers
+from validation.matrix_rows import MEMORY_BASE
 from validation.memory_only import compare_memory
 
 TINY = "scenarios/tiny.toml"

@@ -1,0 +1,24 @@
+"""Rewriting one marked section of a Markdown file (VALIDATION.md), the rest of the file kept.
+
+Split from ``validation.matrix``: the matrix run by systems and ``validation.offload_memory`` each
+own one section of VALIDATION.md, between ``<!-- key:begin -->`` and ``<!-- key:end -->``, so
+that a partial run replaces its own figures and no one else's.
+"""
+
+from pathlib import Path
+
+from sim.fileio import write_text_atomic
+
+
+def write_between_markers(path: str, key: str, section: str) -> None:
+    """Replace the section between ``<!-- key:begin -->`` and ``<!-- key:end -->`` in ``path``
+    (appended the first time), keeping the rest of the file."""
+    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+    p = Path(path)
+    text = p.read_text() if p.is_file() else ""
+    block = f"{begin}\n{section.rstrip()}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    write_text_atomic(path, text)
