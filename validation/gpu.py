@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 
 from sim.errors import UserError
-from sim.fileio import write_text_atomic
 from sim.hardware.builtin import BUILTIN_PROFILES
 from sim.hardware.registry import load_profile
 from sim.outputs.report import build_report
@@ -26,9 +25,9 @@ from sim.scenario.loader import load_scenario
 from sim.simulate import simulate
 from validation.compare import compare, format_markdown
 from validation.launch import run_real
+from validation.marked_sections import write_between_markers
 from validation.run import calibrated_profile
 
-BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 BASE = "scenarios/tiny.toml"
 # (name, overrides): model sizes a single GPU trains in seconds
 CONFIGS: list[tuple[str, list[str]]] = [
@@ -124,7 +123,7 @@ def run(out: str, nproc: int) -> str:
         if torch.cuda.device_count() >= 2:
             lines += _one(CONFIGS[0][0], [*COMMON, *CONFIGS[0][1], "parallel.world_size=2"], 2, profile, None)
     section = "\n\n".join(lines)
-    _write_section(out, section)
+    write_between_markers(out, "gpu", section)
     return section
 
 
@@ -135,17 +134,6 @@ def _profile_file(name: str, folder: Path) -> Path:
     path = folder / f"{name}.json"
     path.write_text(json.dumps(BUILTIN_PROFILES[name]))
     return path
-
-
-def _write_section(path: str, section: str) -> None:
-    p = Path(path)
-    text = p.read_text() if p.is_file() else ""
-    block = f"{BEGIN}\n{section}\n{END}"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    write_text_atomic(p, text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """Rewriting one marked section of a Markdown file (VALIDATION.md), the rest of the file kept.
 
-Split from ``validation.matrix``: the matrix run by systems and ``validation.offload_memory`` each
-own one section of VALIDATION.md, between ``<!-- key:begin -->`` and ``<!-- key:end -->``, so
-that a partial run replaces its own figures and no one else's.
+The matrix run by systems, ``validation.offload_memory``, the published runs
+(``validation.published``) and the GPU run (``validation.gpu``) each own one section of
+VALIDATION.md, between ``<!-- key:begin -->`` and ``<!-- key:end -->``, so that a partial run
+replaces its own figures and no one else's.
 """
 
 from pathlib import Path

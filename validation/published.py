@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sim.fileio import write_text_atomic
 from sim.outputs.report import StepReport, build_report
 from sim.scenario.loader import scenario_from_dict
 from sim.simulate import simulate
+from validation.marked_sections import write_between_markers
 from validation.published_memory import GIB, memory_section
 from validation.published_network import network_section
 
@@ -185,12 +185,6 @@ def published_section(runs: list[PublishedRun] = RUNS) -> str:
 
 def write_published(path: str | Path = "VALIDATION.md") -> str:
     """Replace the section between the markers in ``path`` (appending it the first time)."""
-    section = f"{BEGIN}\n{published_section()}{END}"
-    p = Path(path)
-    text = p.read_text() if p.is_file() else ""
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    write_text_atomic(p, text)
-    return section
+    section = published_section()
+    write_between_markers(str(path), "published", section)
+    return f"{BEGIN}\n{section}{END}"

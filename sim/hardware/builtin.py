@@ -10,8 +10,10 @@ from importlib import resources
 from typing import Any
 
 
-def _load_all() -> dict[str, dict[str, Any]]:
-    folder = resources.files("sim.hardware") / "profiles"
+def builtin_documents(folder_name: str) -> dict[str, dict[str, Any]]:
+    """The JSON documents of the package folder ``sim/hardware/<folder_name>/`` by their ``name``
+    (the built-in profiles, the built-in clusters)."""
+    folder = resources.files("sim.hardware") / folder_name
     docs = {}
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".json"):
@@ -20,4 +22,4 @@ def _load_all() -> dict[str, dict[str, Any]]:
     return docs
 
 
-BUILTIN_PROFILES: dict[str, dict[str, Any]] = _load_all()
+BUILTIN_PROFILES: dict[str, dict[str, Any]] = builtin_documents("profiles")

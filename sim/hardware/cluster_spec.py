@@ -14,13 +14,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from sim.errors import UserError
 from sim.fileio import read_json
-from sim.hardware.builtin import BUILTIN_PROFILES
+from sim.hardware.builtin import BUILTIN_PROFILES, builtin_documents
 from sim.hardware.json_reader import JsonReader
 from sim.hardware.schema import HardwareProfile
 
@@ -81,17 +80,7 @@ class ClusterSpec:
 # -- loading ------------------------------------------------------------------------------------
 
 
-def _read_builtin_documents() -> dict[str, dict[str, Any]]:
-    folder = resources.files("sim.hardware") / "clusters"
-    docs = {}
-    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".json"):
-            doc = json.loads(entry.read_text())
-            docs[doc["name"]] = doc
-    return docs
-
-
-_BUILTIN_DOCUMENTS = _read_builtin_documents()
+_BUILTIN_DOCUMENTS = builtin_documents("clusters")
 BUILTIN_CLUSTERS: tuple[str, ...] = tuple(_BUILTIN_DOCUMENTS)
 
 
