@@ -194,6 +194,8 @@ def build_step(
         fsdp1=scenario.fsdp1_options,
         zero=scenario.zero_options,
         grad_scaler=scenario.precision.grad_scaler,
+        # DeepSpeed clips inside its own step, which already all-reduces the gradient norm
+        clip_grad_norm=training.max_grad_norm > 0 and not scenario.deepspeed.enabled,
         host=HostCosts(
             node=profile.node,
             ranks_per_node=min(scenario.gpus_per_node, parallel.world_size),

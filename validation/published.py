@@ -29,13 +29,15 @@ IBM = "PyTorch/IBM blog 'Maximizing training throughput using PyTorch FSDP' (202
 TORCHTITAN_NOTE = (
     "network not published: the built-in dgx-a100 cluster (8 x 200 Gb/s HDR per node, rail-optimized) is assumed; "
     "the norm each config named then (torchtitan@157a12c56 train_configs: Llama 3 8B and Llama 2 13B "
-    '"fused_rmsnorm", training.norm = "fused"; the 70Bs "rmsnorm", eager)'
+    '"fused_rmsnorm", training.norm = "fused"; the 70Bs "rmsnorm", eager); gradients clipped to norm 1.0 '
+    "(train_configs max_norm, training.max_grad_norm)"
 )
 IBM_NOTE = (
     "FSDP1 as the source ran it (foundation-model-stack/fms-fsdp@b9df76a, the blog's code: "
     "FullyShardedDataParallel with MixedPrecision bf16 param, reduce and buffer dtypes, limit_all_gathers, "
     "use_orig_params=False, the default BACKWARD_PRE); the 400 Gb/s network read as 400 Gb/s per node: "
-    "dgx-a100 nodes with 4 x 100 Gb/s NICs (cluster.nics_per_node, cluster.nic_gbps)"
+    "dgx-a100 nodes with 4 x 100 Gb/s NICs (cluster.nics_per_node, cluster.nic_gbps); gradients clipped to "
+    "norm 1.0 (grad_clip_thresh, model.clip_grad_norm_; training.max_grad_norm)"
 )
 
 
@@ -54,7 +56,9 @@ def _llama(
 ) -> dict[str, Any]:
     return {
         "model": {"preset": preset},
-        "training": {"micro_batch": micro_batch, "seq_len": seq},
+        # both sources clip the gradients' norm to 1.0 (torchtitan@157a12c56 train_configs
+        # ``max_norm = 1.0``; fms-fsdp@b9df76a ``grad_clip_thresh = 1.0``, ``model.clip_grad_norm_``)
+        "training": {"micro_batch": micro_batch, "seq_len": seq, "max_grad_norm": 1.0},
         "parallel": {"world_size": ranks, "strategy": "FULL_SHARD", "wrap": "block"},
         "precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
         "checkpointing": {"mode": ckpt, "selective": selective},

@@ -36,6 +36,7 @@ def check_scenario(s: Scenario, where: str) -> None:
         positive(f"training.{name}", getattr(s.training, name))
     _check_decoder_seq_len(s, where)
     _check_use_cache(s, where)
+    _check_grad_clip(s, where)
     avg = s.training.avg_seq_len
     if avg is not None and not 0 < avg <= s.training.seq_len:
         raise UserError(
@@ -116,6 +117,19 @@ def _check_fsdp_version(s: Scenario, where: str) -> None:
     if p.fsdp_version == 1 and s.fsdp1.cpu_offload and p.strategy is Strategy.NO_SHARD:
         raise UserError(
             f"{where}: fsdp1.cpu_offload with strategy NO_SHARD is not modelled; use a sharded strategy"
+        )
+
+
+def _check_grad_clip(s: Scenario, where: str) -> None:
+    """``training.max_grad_norm``: 0 (off) or a positive norm; with CPU offload the norms and the
+    scaling run on the host's gradient shards, which is not modelled."""
+    norm = s.training.max_grad_norm
+    if norm < 0:
+        raise UserError(f"{where}: training.max_grad_norm must be >= 0 (0: no clipping), got {norm}")
+    if norm > 0 and (s.parallel.cpu_offload or s.fsdp1.cpu_offload):
+        raise UserError(
+            f"{where}: training.max_grad_norm with CPU offload (clipping the host's gradient shards) is not "
+            "modelled; set training.max_grad_norm = 0"
         )
 
 

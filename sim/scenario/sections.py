@@ -66,6 +66,10 @@ class TrainingSection:
     # examples and llama-recipes' 2023 loop do): its logits (and a KV cache) live until the next
     # forward returns, through backward and the optimizer step
     keep_outputs: bool = False
+    # > 0: the gradients' norm clipped before the optimizer step (``torch.nn.utils.clip_grad_norm_``,
+    # FSDP1's ``FullyShardedDataParallel.clip_grad_norm_``), as torchtitan (``max_norm = 1.0``) and
+    # HF's Trainer (``max_grad_norm = 1.0``) do by default; 0: no clipping
+    max_grad_norm: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,6 @@
-"""The step's end: a grad scaler's unscale (and, sharded, its found-inf all-reduce) and the
-optimizer step over the parameters this rank holds, with foreach AdamW's temporaries. Emitted
+"""The step's end: a grad scaler's unscale (and, sharded, its found-inf all-reduce), the
+gradients' norm clipped (and, sharded, the norm all-reduced) and the optimizer step over the
+parameters this rank holds, with foreach AdamW's temporaries. Emitted
 through any schedule's ``OpEmitter``; the gradients it consumes are the schedule's.
 """
 
@@ -39,6 +40,39 @@ def emit_grad_scaler_unscale(emitter: OpEmitter) -> None:
         emitter.compute_waits.append(flag)
 
 
+def emit_grad_clip(emitter: OpEmitter) -> None:
+    """``clip_grad_norm_`` (torch 2.13 ``nn/utils/clip_grad.py``, foreach, torchtitan's call):
+    ``torch._foreach_norm`` reads every gradient element this rank holds; a sharded gradient's norm
+    is partial, so the total is all-reduced over the shard group (one fp32 element: FSDP2's DTensor
+    redistributes it, FSDP1's ``clip_grad_norm_`` calls ``dist.all_reduce``); then
+    ``torch._foreach_mul_`` scales every element in place. Its outputs are one scalar per tensor,
+    small-pool blocks the allocator's existing segments hold: no buffer of note. DDP's gradients are
+    whole on every rank: no collective (FSDP1's NO_SHARD all-reduces all the same)."""
+    cfg = emitter.cfg
+    mb = cfg.grad_accum - 1
+    grad_bytes = numel_per_rank(cfg) * cfg.master_bytes
+    # copy_s reads and writes its bytes: the norms only read theirs
+    norms = emitter.compute(OpKind.COPY, "clip_grad_norm_ norms", ROOT, mb, cfg.costs.copy_s(grad_bytes) / 2)
+    # FSDP1 under NO_SHARD still all-reduces its (zero) sharded norm, over the world
+    group = GroupKind.SHARD if cfg.sharded else GroupKind.REPLICATE
+    if (cfg.sharded and cfg.shard_size > 1) or (
+        cfg.fsdp1 is not None and not cfg.sharded and cfg.world_size > 1
+    ):
+        total = emitter.collective(
+            OpKind.ALL_REDUCE,
+            Stream.ALL_REDUCE,
+            ROOT,
+            dtype_bytes("fp32"),  # the total norm, to the power of the norm type
+            group,
+            "fp32",
+            mb=mb,
+            deps=(norms,),
+            name="all_reduce gradient norm",
+        )
+        emitter.compute_waits.append(total)
+    emitter.compute(OpKind.COPY, "clip_grad_norm_ scale", ROOT, mb, cfg.costs.copy_s(grad_bytes))
+
+
 def emit_optimizer_step(emitter: OpEmitter, grad_labels: tuple[str, ...]) -> None:
     """One step over the parameters this rank holds; ``zero_grad(set_to_none=True)`` after it
     frees ``grad_labels``. foreach AdamW holds one temporary per tensor it steps, in the states'
@@ -48,6 +82,8 @@ def emit_optimizer_step(emitter: OpEmitter, grad_labels: tuple[str, ...]) -> Non
     cfg = emitter.cfg
     if cfg.grad_scaler:
         emit_grad_scaler_unscale(emitter)
+    if cfg.clip_grad_norm:
+        emit_grad_clip(emitter)
     numel = numel_per_rank(cfg)
     temp = "optimizer_temp"
     adamw = cfg.optimizer is OptimizerName.ADAMW

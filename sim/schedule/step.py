@@ -76,6 +76,7 @@ class StepConfig:
     zero: ZeroOptions | None = None  # set: DeepSpeed ZeRO (its units are every module with parameters)
     host: HostCosts | None = None  # offload's transfers and the optimizer on the host
     grad_scaler: bool = False  # ShardedGradScaler (GradScaler under DDP) around the step
+    clip_grad_norm: bool = False  # clip_grad_norm_ before the step (training.max_grad_norm > 0)
     fsdp2_offload: Fsdp2Offload | None = None  # FSDP2's CPUOffloadPolicy
 
     quant_state_bytes: int = 0  # QLoRA's quantization state, whole on every rank
