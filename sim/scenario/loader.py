@@ -19,7 +19,8 @@ from sim.dtypes import canonical_dtype
 from sim.errors import UserError
 from sim.hardware.cluster_spec import ClusterSpec, load_cluster
 from sim.hardware.registry import load_profile
-from sim.scenario.checks import check_finetune, check_precision, check_scenario, scenario_warnings
+from sim.scenario.checks import check_precision, check_scenario, scenario_warnings
+from sim.scenario.finetune_check import check_finetune
 from sim.scenario.hf_model import describe_config, library, library_entry, llama_config_file
 from sim.scenario.sections import SECTIONS, ClusterSection, FinetuneSection, ModelSection, Scenario
 from sim.workload.model import PRESETS, ModelConfig, preset
