@@ -22,11 +22,35 @@ def _nbytes(arg: Any) -> int:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts c10d collectives issued on this thread: {collective: {"count", "bytes"}}."""
+    """Counts c10d collectives issued on this thread: {collective: {"count", "bytes"}}. A DTensor
+    redistributes inside its own dispatch, which a dispatch mode does not see (clip_grad_norm_'s
+    partial norm over FSDP2's gradients), so the functional all-reduce it calls is counted where
+    Python calls it (``torch.distributed._functional_collectives.all_reduce``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+        self._funcol_all_reduce: Any = None
+
+    def __enter__(self) -> "CollectiveCounter":
+        import torch.distributed._functional_collectives as funcol
+
+        original = self._funcol_all_reduce = funcol.all_reduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.counts["all_reduce"]["count"] += 1
+            self.counts["all_reduce"]["bytes"] += _nbytes(tensor)
+            return original(tensor, *args, **kwargs)
+
+        setattr(funcol, "all_reduce", counted)  # noqa: B010 (a typed module attribute, swapped)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed._functional_collectives as funcol
+
+        super().__exit__(*exc)
+        funcol.all_reduce = self._funcol_all_reduce
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = f"{func.namespace}.{func._opname}"

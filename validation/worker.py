@@ -94,8 +94,11 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 loss, self.outputs = step_loss(self.model, ids, labels, self.scenario.training.keep_outputs)
             t1 = synced_now(self.device)
-            with self._gradient_sync(mb == self.scenario.training.grad_accum - 1):
+            last = mb == self.scenario.training.grad_accum - 1
+            with self._gradient_sync(last):
                 loss.backward()
+            if last:
+                self._clip_grad_norm()
             t2 = synced_now(self.device)
             phases["forward"] += t1 - t0
             phases["backward"] += t2 - t1
@@ -108,6 +111,19 @@ class Trainer:
         phases["optimizer"] = t3 - t2
         self.marks.append(("optimizer", t2, t3))
         return phases
+
+    def _clip_grad_norm(self) -> None:
+        """``training.max_grad_norm``: FSDP1's own ``clip_grad_norm_``, else torch's foreach one
+        (FSDP2's DTensor gradients, DDP's); timed with the last backward, where the simulated
+        step's phases count it (``validation.compare.simulated_phases``)."""
+        norm = self.scenario.training.max_grad_norm
+        if norm <= 0:
+            return
+        own = getattr(self.model, "clip_grad_norm_", None)  # FullyShardedDataParallel's
+        if own is not None:
+            own(norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), norm, foreach=True)
 
     def after_microbatch(self) -> None:
         """Called after each micro-batch's backward (the fake-mode tracker resets its module stats)."""

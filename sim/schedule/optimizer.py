@@ -10,6 +10,7 @@ from sim.core.topology import GroupKind
 from sim.dtypes import dtype_bytes
 from sim.schedule.emit import OpEmitter
 from sim.schedule.model_state import numel_per_rank, optimizer_tensor_numels
+from sim.schedule.step import StepConfig
 from sim.workload.options import OptimizerName
 from sim.workload.units import ROOT
 
@@ -43,8 +44,7 @@ def emit_grad_scaler_unscale(emitter: OpEmitter) -> None:
 def emit_grad_clip(emitter: OpEmitter) -> None:
     """``clip_grad_norm_`` (torch 2.13 ``nn/utils/clip_grad.py``, foreach, torchtitan's call):
     ``torch._foreach_norm`` reads every gradient element this rank holds; a sharded gradient's norm
-    is partial, so the total is all-reduced over the shard group (one fp32 element: FSDP2's DTensor
-    redistributes it, FSDP1's ``clip_grad_norm_`` calls ``dist.all_reduce``); then
+    is partial, so it is all-reduced over the shard group (``_norm_bytes``); then
     ``torch._foreach_mul_`` scales every element in place. Its outputs are one scalar per tensor,
     small-pool blocks the allocator's existing segments hold: no buffer of note. DDP's gradients are
     whole on every rank: no collective (FSDP1's NO_SHARD all-reduces all the same)."""
@@ -62,7 +62,7 @@ def emit_grad_clip(emitter: OpEmitter) -> None:
             OpKind.ALL_REDUCE,
             Stream.ALL_REDUCE,
             ROOT,
-            dtype_bytes("fp32"),  # the total norm, to the power of the norm type
+            _norm_bytes(cfg),
             group,
             "fp32",
             mb=mb,
@@ -97,3 +97,14 @@ def emit_optimizer_step(emitter: OpEmitter, grad_labels: tuple[str, ...]) -> Non
         allocs=(Alloc(label=temp, category=MemoryCategory.OTHER, bytes=sum(pieces), pieces=pieces),),
         frees=(temp, *grad_labels),
     )
+
+
+def _norm_bytes(cfg: StepConfig) -> int:
+    """What ``clip_grad_norm_`` all-reduces: FSDP1's one fp32 total (``dist.all_reduce`` of the
+    local norm to the power p); over FSDP2's DTensor gradients the stacked per-parameter norms, one
+    fp32 each, which their partial placement redistributes (measured: 156 B over llama-5m's 39
+    parameters, a real 2-rank gloo step, ``fsdpsim validate`` with training.max_grad_norm = 1)."""
+    fp32 = dtype_bytes("fp32")
+    if cfg.fsdp1 is not None:
+        return fp32
+    return fp32 * sum(1 for u in cfg.units for p in u.params if p.trainable)
