@@ -11,10 +11,15 @@ from pathlib import Path
 from sim.fileio import write_text_atomic
 
 
+def markers(key: str) -> tuple[str, str]:
+    """The comments that open and close section ``key``."""
+    return f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+
+
 def write_between_markers(path: str, key: str, section: str) -> None:
     """Replace the section between ``<!-- key:begin -->`` and ``<!-- key:end -->`` in ``path``
     (appended the first time), keeping the rest of the file."""
-    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+    begin, end = markers(key)
     p = Path(path)
     text = p.read_text() if p.is_file() else ""
     block = f"{begin}\n{section.rstrip()}\n{end}"

@@ -16,11 +16,10 @@ from typing import Any
 from sim.outputs.report import StepReport, build_report
 from sim.scenario.loader import scenario_from_dict
 from sim.simulate import simulate
-from validation.marked_sections import write_between_markers
+from validation.marked_sections import markers, write_between_markers
 from validation.published_memory import GIB, memory_section
 from validation.published_network import network_section
 
-BEGIN, END = "<!-- published:begin -->", "<!-- published:end -->"
 TARGET_MEDIAN, TARGET_WORST = 0.10, 0.20
 TORCHTITAN = (
     "pytorch/torchtitan docs/performance.md (2024), 64 x A100-80GB SXM, FSDP2, bf16 params, fp32 reduce"
@@ -191,4 +190,5 @@ def write_published(path: str | Path = "VALIDATION.md") -> str:
     """Replace the section between the markers in ``path`` (appending it the first time)."""
     section = published_section()
     write_between_markers(str(path), "published", section)
-    return f"{BEGIN}\n{section}{END}"
+    begin, end = markers("published")
+    return f"{begin}\n{section}{end}"

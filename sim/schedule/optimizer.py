@@ -27,18 +27,7 @@ def emit_grad_scaler_unscale(emitter: OpEmitter) -> None:
         OpKind.COPY, "grad scaler unscale_", ROOT, mb, cfg.costs.copy_s(numel * cfg.master_bytes)
     )
     if cfg.sharded and cfg.shard_size > 1:
-        flag = emitter.collective(
-            OpKind.ALL_REDUCE,
-            Stream.ALL_REDUCE,
-            ROOT,
-            dtype_bytes("fp32"),  # the one found_inf element
-            GroupKind.SHARD,
-            "fp32",
-            mb=mb,
-            deps=(op,),
-            name="all_reduce found_inf",
-        )
-        emitter.compute_waits.append(flag)
+        _small_all_reduce(emitter, dtype_bytes("fp32"), GroupKind.SHARD, op, "all_reduce found_inf")
 
 
 def emit_grad_clip(emitter: OpEmitter) -> None:
@@ -53,23 +42,9 @@ def emit_grad_clip(emitter: OpEmitter) -> None:
     grad_bytes = numel_per_rank(cfg) * cfg.master_bytes
     # copy_s reads and writes its bytes: the norms only read theirs
     norms = emitter.compute(OpKind.COPY, "clip_grad_norm_ norms", ROOT, mb, cfg.costs.copy_s(grad_bytes) / 2)
-    # FSDP1 under NO_SHARD still all-reduces its (zero) sharded norm, over the world
-    group = GroupKind.SHARD if cfg.sharded else GroupKind.REPLICATE
-    if (cfg.sharded and cfg.shard_size > 1) or (
-        cfg.fsdp1 is not None and not cfg.sharded and cfg.world_size > 1
-    ):
-        total = emitter.collective(
-            OpKind.ALL_REDUCE,
-            Stream.ALL_REDUCE,
-            ROOT,
-            _norm_bytes(cfg),
-            group,
-            "fp32",
-            mb=mb,
-            deps=(norms,),
-            name="all_reduce gradient norm",
-        )
-        emitter.compute_waits.append(total)
+    group = _norm_group(cfg)
+    if group is not None:
+        _small_all_reduce(emitter, _norm_bytes(cfg), group, norms, "all_reduce gradient norm")
     emitter.compute(OpKind.COPY, "clip_grad_norm_ scale", ROOT, mb, cfg.costs.copy_s(grad_bytes))
 
 
@@ -108,3 +83,29 @@ def _norm_bytes(cfg: StepConfig) -> int:
     if cfg.fsdp1 is not None:
         return fp32
     return fp32 * sum(1 for u in cfg.units for p in u.params if p.trainable)
+
+
+def _norm_group(cfg: StepConfig) -> GroupKind | None:
+    """The group ``clip_grad_norm_`` all-reduces the norm over: a sharded gradient's shard group;
+    FSDP1 under NO_SHARD still all-reduces its (zero) sharded norm, over the world; none where
+    every rank holds whole gradients (DDP) or the group is one rank."""
+    if cfg.sharded:
+        return GroupKind.SHARD if cfg.shard_size > 1 else None
+    return GroupKind.REPLICATE if cfg.fsdp1 is not None and cfg.world_size > 1 else None
+
+
+def _small_all_reduce(emitter: OpEmitter, nbytes: int, group: GroupKind, after: int, name: str) -> None:
+    """An fp32 all-reduce of a few elements after op ``after``, which the next compute op waits for
+    (the step cannot go on before every rank's figure is in)."""
+    op = emitter.collective(
+        OpKind.ALL_REDUCE,
+        Stream.ALL_REDUCE,
+        ROOT,
+        nbytes,
+        group,
+        "fp32",
+        mb=emitter.cfg.grad_accum - 1,
+        deps=(after,),
+        name=name,
+    )
+    emitter.compute_waits.append(op)
