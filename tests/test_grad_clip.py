@@ -101,3 +101,19 @@ def test_deepspeed_clips_inside_its_own_step() -> None:
 def test_bad_max_grad_norm_is_one_clear_error(sections, message) -> None:
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make_scenario(model=TWO_LAYERS, **sections)
+
+
+def test_a_grad_scaler_unscales_before_the_clip_reads_the_gradients() -> None:
+    """HF's and torch's AMP recipe: ``scaler.unscale_(optimizer)``, then ``clip_grad_norm_``; the
+    found-inf flag is all-reduced (one fp32) over the shard group before the norms read."""
+    scenario = make_scenario(
+        model=TWO_LAYERS,
+        training={"micro_batch": 2, "seq_len": 64, "max_grad_norm": 1.0},
+        precision={"param_dtype": "fp16", "grad_scaler": True},
+    )
+    ops = _ops(simulate(scenario, make_profile()))
+    unscale, flag, norms = (
+        next(o for o in ops if o.name == n) for n in ("grad scaler unscale_", "all_reduce found_inf", NORMS)
+    )
+    assert flag.bytes == 4
+    assert unscale.end_s <= flag.start_s and flag.end_s <= norms.start_s
