@@ -266,6 +266,9 @@ def main(argv: list[str]) -> int:
     try:
         result = run(spec)
         write_text_atomic(Path(spec["out_dir"]) / f"rank{dist.get_rank()}.json", json.dumps(result))
+        # Every rank finished before any tears its process group down: gloo otherwise sometimes
+        # aborts a rank at teardown under the other's last (functional) collective.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
