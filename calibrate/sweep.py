@@ -42,7 +42,7 @@ def _pattern_sum(
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Op:
     run: Callable[[], Any]
     before_each: Callable[[], Any]  # untimed, before each iteration: the next buffer set
@@ -86,24 +86,10 @@ def build_op(
     pristine input just before each iteration, as DDP fills a bucket just before reducing it. On
     a CPU an output copy's pages are first touched by its first iteration, as a step's freshly
     allocated output's are."""
-    td = TORCH_DTYPES[dtype]
     itemsize = dtype_bytes(dtype)
-    n = size_bytes // itemsize
-    chunk = n // gsize
-    if collective == "all_gather":
-        inp = _pattern(grank, chunk, grank * chunk, td, device)
-        expected = torch.cat([_pattern(r, chunk, r * chunk, td, device) for r in range(gsize)])
-    elif collective == "reduce_scatter":
-        inp = _pattern(grank, n, 0, td, device)
-        expected = _pattern_sum(gsize, chunk, grank * chunk, td, device)
-    elif collective == "all_reduce":
-        inp = _pattern(grank, n, 0, td, device)  # pristine: each iteration reduces a fresh copy
-        expected = _pattern_sum(gsize, n, 0, td, device)
-    elif collective == "all_to_all":  # rank r sends chunk d (offset d · chunk) to rank d
-        inp = torch.cat([_pattern(grank, chunk, d * chunk, td, device) for d in range(gsize)])
-        expected = torch.cat([_pattern(r, chunk, grank * chunk, td, device) for r in range(gsize)])
-    else:
-        raise ValueError(f"unknown collective {collective!r}")
+    inp, expected = _input_and_expected(
+        collective, size_bytes // itemsize, TORCH_DTYPES[dtype], grank, gsize, device
+    )
     in_place = collective == "all_reduce"  # one buffer per set; the input stays pristine
     set_bytes = (expected.numel() + (0 if in_place else inp.numel())) * itemsize
     rotation = _Rotation(copies_for(set_bytes, uses=uses, cache_bytes=cache_bytes))
@@ -124,7 +110,11 @@ def build_op(
             outs[rotation.advance()].copy_(inp)
 
         return _Op(
-            lambda: dist.all_reduce(outs[rotation.i], group=group), refill, wrong, current_output, rotation.n
+            run=lambda: dist.all_reduce(outs[rotation.i], group=group),
+            before_each=refill,
+            wrong=wrong,
+            current_output=current_output,
+            sets=rotation.n,
         )
     call = {
         "all_gather": lambda o, i: _all_gather(o, i, group),
@@ -132,8 +122,31 @@ def build_op(
         "all_to_all": lambda o, i: dist.all_to_all_single(o, i, group=group),
     }[collective]
     return _Op(
-        lambda: call(outs[rotation.i], ins[rotation.i]), rotation.advance, wrong, current_output, rotation.n
+        run=lambda: call(outs[rotation.i], ins[rotation.i]),
+        before_each=rotation.advance,
+        wrong=wrong,
+        current_output=current_output,
+        sets=rotation.n,
     )
+
+
+def _input_and_expected(
+    collective: str, n: int, td: torch.dtype, grank: int, gsize: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's input of ``n`` elements and the output every correct run of ``collective``
+    gives it: patterns distinct per rank and offset, so a misplaced chunk is counted wrong."""
+    chunk = n // gsize
+    if collective == "all_gather":
+        inp = _pattern(grank, chunk, grank * chunk, td, device)
+        return inp, torch.cat([_pattern(r, chunk, r * chunk, td, device) for r in range(gsize)])
+    if collective == "reduce_scatter":
+        return _pattern(grank, n, 0, td, device), _pattern_sum(gsize, chunk, grank * chunk, td, device)
+    if collective == "all_reduce":  # pristine: each iteration reduces a fresh copy
+        return _pattern(grank, n, 0, td, device), _pattern_sum(gsize, n, 0, td, device)
+    if collective == "all_to_all":  # rank r sends chunk d (offset d · chunk) to rank d
+        inp = torch.cat([_pattern(grank, chunk, d * chunk, td, device) for d in range(gsize)])
+        return inp, torch.cat([_pattern(r, chunk, grank * chunk, td, device) for r in range(gsize)])
+    raise ValueError(f"unknown collective {collective!r}")
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:

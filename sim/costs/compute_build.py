@@ -239,6 +239,29 @@ def _described_scales(
     return scales, {b: by_unit[compute.block_unit(b)] for b in blocks}
 
 
+def _refuse_unmeasured_kernels(ops: Sequence[LayerOp], where: str) -> None:
+    """A compute section measured HF's eager loss and RMSNorm: their fused kernels have no
+    measurement in it, so a scenario that names them is refused rather than timed as eager."""
+    if any(op.gradients_in_forward for op in ops):
+        raise UserError(
+            f'{where}: its compute section measured HF\'s eager loss; training.loss = "fused" is timed by '
+            "the analytic model only (use a profile without a compute section)"
+        )
+    if any(op.fused_kernel for op in ops):
+        raise UserError(
+            f'{where}: its compute section measured HF\'s eager RMSNorm; training.norm = "fused" is timed by '
+            "the analytic model only (use a profile without a compute section)"
+        )
+
+
+def _unit_overheads(compute: ComputeSection, fsdp_version: int) -> tuple[float, float]:
+    """The measured per-unit host work of forward and backward: FSDP1's where the section has it
+    and the scenario runs FSDP1, else FSDP2's."""
+    if fsdp_version == 1 and compute.fsdp1_forward_overhead_s is not None:
+        return compute.fsdp1_forward_overhead_s, compute.fsdp1_backward_overhead_s or 0.0
+    return compute.fsdp_forward_overhead_s, compute.fsdp_backward_overhead_s
+
+
 def build_compute_costs(
     profile: HardwareProfile,
     ops: Sequence[LayerOp],
@@ -267,16 +290,7 @@ def build_compute_costs(
     compute = profile.compute
     if compute is None:
         return costs
-    if any(op.gradients_in_forward for op in ops):
-        raise UserError(
-            f'{where}: its compute section measured HF\'s eager loss; training.loss = "fused" is timed by '
-            "the analytic model only (use a profile without a compute section)"
-        )
-    if any(op.fused_kernel for op in ops):
-        raise UserError(
-            f'{where}: its compute section measured HF\'s eager RMSNorm; training.norm = "fused" is timed by '
-            "the analytic model only (use a profile without a compute section)"
-        )
+    _refuse_unmeasured_kernels(ops, where)
     check_same_model(compute, model, where)
     block_scales: dict[int, GroupScale] = {}
     if model.description is not None:
@@ -299,10 +313,7 @@ def build_compute_costs(
         per_param.get(optimizer.value, costs.optimizer_s_per_element) if optimizer.value != "none" else 0.0
     )
     in_step = compute.host_overhead_in_step
-    forward_overhead, backward_overhead = compute.fsdp_forward_overhead_s, compute.fsdp_backward_overhead_s
-    if fsdp_version == 1 and compute.fsdp1_forward_overhead_s is not None:
-        forward_overhead = compute.fsdp1_forward_overhead_s
-        backward_overhead = compute.fsdp1_backward_overhead_s or 0.0
+    forward_overhead, backward_overhead = _unit_overheads(compute, fsdp_version)
     return ComputeCosts(
         kernels=costs.kernels,
         attention_kernel=costs.attention_kernel,

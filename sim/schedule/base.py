@@ -329,25 +329,8 @@ class ScheduleBuilder(OpEmitter):
         ]
         if i in acts.kept:
             frees.append(acts.kept.pop(i))
-        if seg.block is not None and seg.block in acts.block_inputs and self.first_of_block(i):
-            frees.append(acts.block_inputs.pop(seg.block))
-            if seg.block == cache_holder(self.cfg):  # its region lets the cache go
-                frees += acts.kv_cache
-                acts.kv_cache = []
-        cfg = self.cfg
-        if (
-            cfg.kept_output_bytes
-            and cfg.kv_cache_bytes
-            and seg.block is not None
-            and not self.checkpointed(i)
-            and self.first_of_block(i)
-        ):  # a kept output's cache holds the K/V an unchecked block saved, past its backward
-            cache = self.label("kv_cache", seg.unit, mb)
-            acts.kv_cache.append(cache)
-            end_allocs = (
-                *end_allocs,
-                Alloc(label=cache, category=MemoryCategory.ACTIVATIONS, bytes=cfg.kv_cache_bytes[seg.block]),
-            )
+        frees += self._block_input_frees(i, acts)
+        end_allocs = (*end_allocs, *self._kept_output_cache(i, mb, acts))
         # the gradients the segment's ops make before its last op's backward are alive beside it
         held_bytes, held_pieces = fig.backward_held(
             sum(a.bytes for a in end_allocs if a.category is MemoryCategory.GRADS)
@@ -372,6 +355,34 @@ class ScheduleBuilder(OpEmitter):
             host_s=fig.backward_host_s,
             launches=fig.backward_launches,
         )
+
+    def _block_input_frees(self, i: int, acts: Activations) -> list[str]:
+        """What the first backward segment of a block releases: the block's kept input, and the
+        K/V cache where this block's region is the one that lets it go."""
+        block = self.cfg.segments[i].block
+        if block is None or block not in acts.block_inputs or not self.first_of_block(i):
+            return []
+        frees = [acts.block_inputs.pop(block)]
+        if block == cache_holder(self.cfg):
+            frees += acts.kv_cache
+            acts.kv_cache = []
+        return frees
+
+    def _kept_output_cache(self, i: int, mb: int, acts: Activations) -> tuple[Alloc, ...]:
+        """A kept output's cache holds the K/V an unchecked block saved past the block's backward:
+        allocated (as the block's saved tensors are released) at its first backward segment."""
+        cfg, seg = self.cfg, self.cfg.segments[i]
+        if not (
+            cfg.kept_output_bytes
+            and cfg.kv_cache_bytes
+            and seg.block is not None
+            and not self.checkpointed(i)
+            and self.first_of_block(i)
+        ):
+            return ()
+        cache = self.label("kv_cache", seg.unit, mb)
+        acts.kv_cache.append(cache)
+        return (Alloc(label=cache, category=MemoryCategory.ACTIVATIONS, bytes=cfg.kv_cache_bytes[seg.block]),)
 
     def _backward_order(self, i: int, consumed: str) -> RequestOrder | None:
         """Segment ``i``'s backward order (``SegmentFigures.backward_order``), releasing tensors of

@@ -19,7 +19,7 @@ from sim.workload.attention_kernel import (
     attention_kernel_requests,
     attention_saved_pieces,
 )
-from sim.workload.description import DescribedOp, ModelDescription
+from sim.workload.description import AttentionCall, DescribedOp, ModelDescription
 from sim.workload.finetune import FinetuneFacts, dequant_bytes, dequant_transient_bytes
 from sim.workload.layer_op import LayerKind, LayerOp
 from sim.workload.layers import _sac_kept
@@ -54,10 +54,10 @@ def float_mask_count(d: ModelDescription) -> int:
     return len(patterns)
 
 
-def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> LayerOp:
-    assert op.attention is not None
-    a = op.attention
-    shape = AttentionShape(
+def _kernel_shape(a: AttentionCall, masks: int) -> AttentionShape:
+    """The attention call the tracer recorded, as the kernel model's shape (``float_masks``: the
+    float masks alive beside it)."""
+    return AttentionShape(
         batch=a.batch,
         seq_len=a.seq_len,
         heads=a.heads,
@@ -74,6 +74,12 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> La
         float_masks=masks,
         backward_start_bytes=a.backward_start_bytes,
     )
+
+
+def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> LayerOp:
+    assert op.attention is not None
+    a = op.attention
+    shape = _kernel_shape(a, masks)
     flops, saved, fwd, bwd = attention_kernel_figures(
         shape, w, output_saved=not a.output_counted, model_backward_bytes=base.backward_transient_bytes
     )

@@ -254,10 +254,39 @@ def model_buffer_bytes(cfg: ModelConfig) -> int:
 def llama_layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
     """Every op of one forward pass in execution order: embedding, blocks, final norm, head, loss."""
     specs = {s.name: s for s in param_specs(cfg)}
-    t, a, vocab = w.tokens, w.act_bytes, cfg.vocab
     embed = specs["model.embed_tokens.weight"]
-    head_spec = specs.get("lm_head.weight", embed)
-    ops = [
+    ops = list(_input_ops(cfg, w, embed))
+    for i in range(cfg.n_layers):
+        ops += block_ops(cfg, i, w)
+    ops.append(_norm("model.norm", (specs["model.norm.weight"],), cfg.hidden, w, None))
+    head = _linear(specs.get("lm_head.weight", embed), w, None)
+    head_params = () if cfg.tie_embeddings else head.params
+    if w.loss is LossKernel.FUSED:
+        ops.append(fused_linear_cross_entropy(head, cfg, w, head_params))
+        return tuple(ops)
+    ops.append(
+        LayerOp(
+            name="lm_head",
+            module="lm_head",
+            kind=LayerKind.LINEAR,
+            block=None,
+            params=head_params,
+            flops=head.flops,
+            memory_bytes=0.0,
+            saved_bytes=0,
+            gemm=head.gemm,
+            host_ops=HOST_OPS["linear"],
+            launches=LAUNCHES["linear"],
+        )
+    )
+    ops.append(_eager_loss(cfg, w))
+    return tuple(ops)
+
+
+def _input_ops(cfg: ModelConfig, w: Workload, embed: ParamSpec) -> tuple[LayerOp, LayerOp]:
+    """The token embedding and the rotary tables the blocks share, before the first block."""
+    t, a = w.tokens, w.act_bytes
+    return (
         LayerOp(
             name="model.embed_tokens",
             module="model.embed_tokens",
@@ -282,48 +311,28 @@ def llama_layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             host_ops=HOST_OPS["rotary"],
             launches=LAUNCHES["rotary"],
         ),
-    ]
-    for i in range(cfg.n_layers):
-        ops += block_ops(cfg, i, w)
-    ops.append(_norm("model.norm", (specs["model.norm.weight"],), cfg.hidden, w, None))
-    head = _linear(head_spec, w, None)
-    tied = cfg.tie_embeddings
-    if w.loss is LossKernel.FUSED:
-        ops.append(fused_linear_cross_entropy(head, cfg, w, () if tied else head.params))
-        return tuple(ops)
-    ops.append(
-        LayerOp(
-            name="lm_head",
-            module="lm_head",
-            kind=LayerKind.LINEAR,
-            block=None,
-            params=() if tied else head.params,
-            flops=head.flops,
-            memory_bytes=0.0,
-            saved_bytes=0,
-            gemm=head.gemm,
-            host_ops=HOST_OPS["linear"],
-            launches=LAUNCHES["linear"],
-        )
     )
+
+
+def _eager_loss(cfg: ModelConfig, w: Workload) -> LayerOp:
+    """HF's eager cross-entropy over the head's logits: their fp32 copy, the log-softmax it keeps,
+    and the two fp32 gradients of its backward."""
+    t, a, vocab = w.tokens, w.act_bytes, cfg.vocab
     upcast = 0 if a == FP32_BYTES else t * vocab * FP32_BYTES
-    ops.append(
-        LayerOp(
-            name="loss",
-            module="loss",
-            kind=LayerKind.LOSS,
-            block=None,
-            params=(),
-            flops=0.0,
-            memory_bytes=float(t * vocab * (_cast_bytes(a) // 2 + 3 * FP32_BYTES)),
-            backward_memory_factor=22 / 18,
-            saved_bytes=t * vocab * FP32_BYTES + t * INDEX_BYTES,  # log-softmax output, labels
-            forward_transient_bytes=t * vocab * a + upcast,  # the logits and their fp32 copy
-            # the fp32 grads of the log-softmax output and of its input; the cast back to ``a`` comes
-            # after the first is freed, so it never adds to the peak
-            backward_transient_bytes=2 * t * vocab * FP32_BYTES,
-            host_ops=HOST_OPS["loss"],
-            launches=LAUNCHES["loss"],
-        )
+    return LayerOp(
+        name="loss",
+        module="loss",
+        kind=LayerKind.LOSS,
+        block=None,
+        params=(),
+        flops=0.0,
+        memory_bytes=float(t * vocab * (_cast_bytes(a) // 2 + 3 * FP32_BYTES)),
+        backward_memory_factor=22 / 18,
+        saved_bytes=t * vocab * FP32_BYTES + t * INDEX_BYTES,  # log-softmax output, labels
+        forward_transient_bytes=t * vocab * a + upcast,  # the logits and their fp32 copy
+        # the fp32 grads of the log-softmax output and of its input; the cast back to ``a`` comes
+        # after the first is freed, so it never adds to the peak
+        backward_transient_bytes=2 * t * vocab * FP32_BYTES,
+        host_ops=HOST_OPS["loss"],
+        launches=LAUNCHES["loss"],
     )
-    return tuple(ops)

@@ -29,7 +29,6 @@ WRAP_SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star")
 
 def sweep_figure(rows: Sequence[dict[str, Any]]) -> Any:
     """Step time against peak memory (Pareto front, device memory) above a stacked breakdown per run."""
-    from plotly.colors import qualitative
     from plotly.subplots import make_subplots
 
     fig = make_subplots(
@@ -41,6 +40,28 @@ def sweep_figure(rows: Sequence[dict[str, Any]]) -> Any:
             "step-time breakdown per configuration",
         ),
     )
+    _add_points(fig, rows)
+    _add_pareto_front(fig, rows)
+    for device in sorted({r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")}):
+        fig.add_vline(
+            x=device / BYTES_PER_GIB,
+            line=dict(color="red", dash="dot"),
+            row=1,
+            col=1,
+            annotation_text=f"device {fmt_bytes(device)}",
+        )
+    _add_breakdown(fig, rows)
+    fig.update_xaxes(title_text="peak memory (GiB)", row=1, col=1)
+    fig.update_yaxes(title_text="step time (ms)", row=1, col=1)
+    fig.update_yaxes(title_text="ms", row=2, col=1)
+    fig.update_layout(barmode="stack", height=900, template="plotly_white", title=dict(text="sweep"))
+    return fig
+
+
+def _add_points(fig: Any, rows: Sequence[dict[str, Any]]) -> None:
+    """One marker per configuration in the top panel: colour by strategy, symbol by wrap."""
+    from plotly.colors import qualitative
+
     strategies = sorted({str(r["strategy"]) for r in rows})
     wraps = sorted({str(r["wrap"]) for r in rows})
     for (strategy, wrap), group in _groups(rows).items():
@@ -62,6 +83,10 @@ def sweep_figure(rows: Sequence[dict[str, Any]]) -> Any:
             row=1,
             col=1,
         )
+
+
+def _add_pareto_front(fig: Any, rows: Sequence[dict[str, Any]]) -> None:
+    """The configurations no other beats in both step time and peak memory, as a dashed staircase."""
     points = [(r["peak_memory_bytes"], r["step_time_s"]) for r in rows]
     front = [rows[i] for i in pareto_front(points)]
     fig.add_trace(
@@ -77,14 +102,10 @@ def sweep_figure(rows: Sequence[dict[str, Any]]) -> Any:
         row=1,
         col=1,
     )
-    for device in sorted({r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")}):
-        fig.add_vline(
-            x=device / BYTES_PER_GIB,
-            line=dict(color="red", dash="dot"),
-            row=1,
-            col=1,
-            annotation_text=f"device {fmt_bytes(device)}",
-        )
+
+
+def _add_breakdown(fig: Any, rows: Sequence[dict[str, Any]]) -> None:
+    """The bottom panel: each configuration's step time stacked by part (compute, exposed, idle)."""
     for key, colour in SWEEP_BREAKDOWN:
         fig.add_trace(
             dict(
@@ -98,11 +119,6 @@ def sweep_figure(rows: Sequence[dict[str, Any]]) -> Any:
             row=2,
             col=1,
         )
-    fig.update_xaxes(title_text="peak memory (GiB)", row=1, col=1)
-    fig.update_yaxes(title_text="step time (ms)", row=1, col=1)
-    fig.update_yaxes(title_text="ms", row=2, col=1)
-    fig.update_layout(barmode="stack", height=900, template="plotly_white", title=dict(text="sweep"))
-    return fig
 
 
 def _groups(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
