@@ -361,4 +361,4 @@ def block_unit(target: ComputeTarget, device: torch.device) -> Any:
     def hidden() -> tuple[torch.Tensor, ...]:
         return (torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True),)
 
-    return Unit("block", chain, hidden, chain)
+    return Unit(name="block", module=chain, make_inputs=hidden, run=chain)

@@ -23,7 +23,7 @@ from calibrate.hf_llama import llama_config
 from calibrate.sweep import TORCH_DTYPES
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Unit:
     """``run(inputs)`` returns the unit's output (a scalar loss for the head)."""
 
@@ -78,7 +78,7 @@ def build_units(target: ComputeTarget, device: torch.device, seed: int = 0) -> d
         return ForCausalLMLoss(logits, labels, vocab_size=v)
 
     return {
-        "embed": Unit("embed", embed, ids, run_embed),
-        "block": Unit("block", block, hidden, run_block, shared=tuple(cos_sin)),
-        "head": Unit("head", head, hidden_and_labels, run_head),
+        "embed": Unit(name="embed", module=embed, make_inputs=ids, run=run_embed),
+        "block": Unit(name="block", module=block, make_inputs=hidden, run=run_block, shared=tuple(cos_sin)),
+        "head": Unit(name="head", module=head, make_inputs=hidden_and_labels, run=run_head),
     }

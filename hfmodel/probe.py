@@ -23,7 +23,7 @@ import torch
 PROBE = "fsdpsim_probe"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttentionCall:
     module: str
     batch: int

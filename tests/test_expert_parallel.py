@@ -146,7 +146,7 @@ def test_the_exchange_has_its_own_lane_in_the_trace(scenario_path) -> None:
 
 def test_shard_one_when_the_world_exceeds_the_experts() -> None:
     """torchtitan ``apply_fsdp``: Shard(1) when efsdp · ep > num_experts (no dim-0 padding)."""
-    p = ParamSpec("model.layers.0.mlp.experts.down_proj", (2, 6, 5))  # 2 local of 4 experts
+    p = ParamSpec(name="model.layers.0.mlp.experts.down_proj", shape=(2, 6, 5))  # 2 local of 4 experts
     assert expert_padded_numel(p, 4, world_size=4, experts=4) == 4 * 6 * 5  # Shard(0): 2 rows -> 4
     assert expert_padded_numel(p, 4, world_size=8, experts=4) == 2 * 8 * 5  # Shard(1): 6 -> 8
 

@@ -28,7 +28,7 @@ def _collectives(result) -> dict[str, tuple[int, int]]:
 
 
 def test_flat_parameter_concatenates_and_pads_like_flat_param_handle() -> None:
-    params = [ParamSpec("a", (3,)), ParamSpec("b", (5,))]
+    params = [ParamSpec(name="a", shape=(3,)), ParamSpec(name="b", shape=(5,))]
     # use_orig_params=False: concatenated as they are, padded only when sharded
     assert flat_param_numel(params, aligned_numel=0, pad_to=2) == 8
     # use_orig_params=True: b starts at a multiple of 4 elements (16 B of fp32), the whole padded to 2

@@ -178,7 +178,7 @@ class RankSummary:
     idle_s: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EventTable:
     """Everything the engine recorded for one step, in the order it happened.
 

@@ -28,7 +28,7 @@ from sim.core.program import Program
 EndOf = Callable[[int], float]  # an op's end on the device, by op id, on one rank
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HostClock:
     """Per op, the host op the host had last run when it issued it; and the program's
     ``record_stream`` buffers and host-declared frees."""

@@ -12,7 +12,7 @@ import numpy as np
 from sim.core.events import EventTable, MemoryCategory
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryCurve:
     """``by_category[c][i]``: bytes of category ``c`` live after entry ``i`` (at ``times_s[i]``)."""
 
@@ -47,7 +47,7 @@ def memory_curve(table: EventTable, rank: int) -> MemoryCurve:
     for category in MemoryCategory:
         deltas = np.array([m.delta_bytes if m.category is category else 0 for m in records], dtype=np.int64)
         by_category[category] = np.cumsum(deltas)
-    return MemoryCurve(times, by_category)
+    return MemoryCurve(times_s=times, by_category=by_category)
 
 
 def memory_curves(table: EventTable) -> dict[int, MemoryCurve]:

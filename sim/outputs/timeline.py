@@ -59,7 +59,7 @@ WAIT_COLOUR = "rgba(120, 120, 120, 0.8)"
 NAN = float("nan")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShownRank:
     """A job rank drawn in the timeline, the simulated rank whose records stand for it, and why."""
 
@@ -68,7 +68,7 @@ class ShownRank:
     label: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Lanes:
     """The lanes of one table: y position of each (simulated rank, stream), tick labels, rank spans."""
 
@@ -94,7 +94,9 @@ def shown_ranks(
     slowest and the fastest (by their last op's end), plus ``memory_rank`` when given."""
     sims = [r for r in table.simulated_ranks if r in ops] or table.simulated_ranks[:1]
     if len(sims) == 1 and table.world_size > 1:
-        return [ShownRank(0, sims[0], f"rank {sims[0]} (stands for all {table.world_size})")]
+        return [
+            ShownRank(rank=0, sim_rank=sims[0], label=f"rank {sims[0]} (stands for all {table.world_size})")
+        ]
     if table.world_size < REPRESENTATIVE_FROM:
         picks = [(r, "") for r in sims]
     else:
@@ -112,7 +114,11 @@ def shown_ranks(
         if role and role != "rank 0" and role not in roles[rank]:
             roles[rank].append(role)
     return [
-        ShownRank(r, table.rank_of(r), f"rank {r}" + (f" ({', '.join(roles[r])})" if roles[r] else ""))
+        ShownRank(
+            rank=r,
+            sim_rank=table.rank_of(r),
+            label=f"rank {r}" + (f" ({', '.join(roles[r])})" if roles[r] else ""),
+        )
         for r in roles
     ]
 
@@ -129,7 +135,7 @@ def layout_lanes(shown: Sequence[ShownRank], ops: dict[int, list[OpRecord]]) -> 
             y[(shown_rank.sim_rank, stream)] = len(ticks)
             ticks.append((len(ticks), f"{shown_rank.label} · {stream}"))
         spans[shown_rank.sim_rank] = (first, max(first, len(ticks) - 1))
-    return Lanes(y, ticks, spans)
+    return Lanes(y=y, ticks=ticks, spans=spans)
 
 
 def op_hover(op: OpRecord) -> str:

@@ -42,11 +42,31 @@ def check_scenario(s: Scenario, where: str) -> None:
         raise UserError(
             f"{where}: training.avg_seq_len must be in [1, training.seq_len = {s.training.seq_len}], got {avg}"
         )
+    _check_parallel(s, where, positive)
+    _check_selective(s, where)
+    _check_cluster(s, where, positive)
+    if not 0.0 <= s.precision.skipped_step_fraction < 1.0:
+        raise UserError(f"{where}: precision.skipped_step_fraction must be in [0, 1)")
+    if s.precision.grad_scaler and s.deepspeed.enabled:
+        raise UserError(
+            f"{where}: precision.grad_scaler: DeepSpeed scales fp16 losses itself (fp16 in [precision])"
+        )
+    _check_fsdp_version(s, where)
+    _check_fsdp2_offload(s, where)
+    _check_reshard(s, where)
+    check_expert_parallel(s, where)
+    _check_deepspeed(s, where)
+    check_finetune_system(s, where)
+    _check_fsdp1_mixed_precision(s, where)
+    _check_simulation(s, where, positive)
+
+
+def _check_parallel(s: Scenario, where: str, positive: Callable[[str, float], None]) -> None:
+    """[parallel]: sizes positive, prefetch depths not negative, a hybrid strategy's shard group
+    dividing the world (and a shard group only for a hybrid strategy)."""
     p = s.parallel
     positive("parallel.world_size", p.world_size)
     positive("parallel.ddp_bucket_mb", p.ddp_bucket_mb)
-    _check_selective(s, where)
-    _check_cluster(s, where, positive)
     if p.forward_prefetch < 0 or p.backward_prefetch < 0:
         raise UserError(f"{where}: parallel.forward_prefetch and parallel.backward_prefetch must be >= 0")
     if p.shard_group_size is not None:
@@ -61,20 +81,11 @@ def check_scenario(s: Scenario, where: str) -> None:
         raise UserError(
             f"{where}: parallel.shard_group_size applies only to strategies HYBRID_SHARD and _HYBRID_SHARD_ZERO2"
         )
-    if not 0.0 <= s.precision.skipped_step_fraction < 1.0:
-        raise UserError(f"{where}: precision.skipped_step_fraction must be in [0, 1)")
-    if s.precision.grad_scaler and s.deepspeed.enabled:
-        raise UserError(
-            f"{where}: precision.grad_scaler: DeepSpeed scales fp16 losses itself (fp16 in [precision])"
-        )
-    _check_fsdp_version(s, where)
-    _check_fsdp2_offload(s, where)
-    _check_reshard(s, where)
-    check_expert_parallel(s, where)
-    _check_deepspeed(s, where)
-    check_finetune_system(s, where)
-    _check_fsdp1_mixed_precision(s, where)
-    sim = s.simulation
+
+
+def _check_simulation(s: Scenario, where: str, positive: Callable[[str, float], None]) -> None:
+    """[simulation]: jitter and slowdowns in range, a known engine, the slow rank one of the job's."""
+    sim, world = s.simulation, s.parallel.world_size
     if sim.compute_jitter is not None and sim.compute_jitter < 0:
         raise UserError(f"{where}: simulation.compute_jitter must be >= 0")
     positive("simulation.slow_rank_factor", sim.slow_rank_factor)
@@ -83,10 +94,8 @@ def check_scenario(s: Scenario, where: str) -> None:
         raise UserError(f"{where}: simulation.engine = {sim.engine!r}; allowed: {', '.join(ENGINES)}")
     if sim.nic_jitter < 0 or sim.slow_nic < 0 or (sim.slow_nic_node is not None and sim.slow_nic_node < 0):
         raise UserError(f"{where}: simulation.nic_jitter, slow_nic and slow_nic_node must be >= 0")
-    if sim.slow_rank is not None and not 0 <= sim.slow_rank < p.world_size:
-        raise UserError(
-            f"{where}: simulation.slow_rank must be in [0, {p.world_size - 1}], got {sim.slow_rank}"
-        )
+    if sim.slow_rank is not None and not 0 <= sim.slow_rank < world:
+        raise UserError(f"{where}: simulation.slow_rank must be in [0, {world - 1}], got {sim.slow_rank}")
 
 
 def _check_cluster(s: Scenario, where: str, positive: Callable[[str, float], None]) -> None:

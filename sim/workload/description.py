@@ -337,7 +337,7 @@ def parse_description(data: Any, where: str) -> ModelDescription:
     d = _Reader(r.get("dims", dict), f"{where}: dims")
     m = _Reader(r.get("measured", dict), f"{where}: measured")
     moe = data.get("moe")
-    params = tuple(ParamSpec(str(n), tuple(int(x) for x in s)) for n, s in r.get("params", list))
+    params = tuple(ParamSpec(name=str(n), shape=tuple(int(x) for x in s)) for n, s in r.get("params", list))
     ops = tuple(_op(o, f"{where}: ops[{i}]") for i, o in enumerate(r.get("ops", list)))
     sha, mb, seq, dtype = (
         r.get("config_sha256", str),

@@ -127,15 +127,15 @@ def layer_params(cfg: ModelConfig, i: int) -> list[ParamSpec]:
     p, h, f, kv = layer_prefix(i), cfg.hidden, cfg.ffn_hidden, cfg.kv_dim
     q = cfg.n_heads * cfg.head_dim
     return [
-        ParamSpec(f"{p}.self_attn.q_proj.weight", (q, h)),
-        ParamSpec(f"{p}.self_attn.k_proj.weight", (kv, h)),
-        ParamSpec(f"{p}.self_attn.v_proj.weight", (kv, h)),
-        ParamSpec(f"{p}.self_attn.o_proj.weight", (h, q)),
-        ParamSpec(f"{p}.mlp.gate_proj.weight", (f, h)),
-        ParamSpec(f"{p}.mlp.up_proj.weight", (f, h)),
-        ParamSpec(f"{p}.mlp.down_proj.weight", (h, f)),
-        ParamSpec(f"{p}.input_layernorm.weight", (h,)),
-        ParamSpec(f"{p}.post_attention_layernorm.weight", (h,)),
+        ParamSpec(name=f"{p}.self_attn.q_proj.weight", shape=(q, h)),
+        ParamSpec(name=f"{p}.self_attn.k_proj.weight", shape=(kv, h)),
+        ParamSpec(name=f"{p}.self_attn.v_proj.weight", shape=(kv, h)),
+        ParamSpec(name=f"{p}.self_attn.o_proj.weight", shape=(h, q)),
+        ParamSpec(name=f"{p}.mlp.gate_proj.weight", shape=(f, h)),
+        ParamSpec(name=f"{p}.mlp.up_proj.weight", shape=(f, h)),
+        ParamSpec(name=f"{p}.mlp.down_proj.weight", shape=(h, f)),
+        ParamSpec(name=f"{p}.input_layernorm.weight", shape=(h,)),
+        ParamSpec(name=f"{p}.post_attention_layernorm.weight", shape=(h,)),
     ]
 
 
@@ -145,12 +145,12 @@ def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
     of a described model, the parameters ``transformers`` built."""
     if cfg.description is not None:
         return cfg.description.params
-    specs = [ParamSpec("model.embed_tokens.weight", (cfg.vocab, cfg.hidden))]
+    specs = [ParamSpec(name="model.embed_tokens.weight", shape=(cfg.vocab, cfg.hidden))]
     for i in range(cfg.n_layers):
         specs += layer_params(cfg, i)
-    specs.append(ParamSpec("model.norm.weight", (cfg.hidden,)))
+    specs.append(ParamSpec(name="model.norm.weight", shape=(cfg.hidden,)))
     if not cfg.tie_embeddings:
-        specs.append(ParamSpec("lm_head.weight", (cfg.vocab, cfg.hidden)))
+        specs.append(ParamSpec(name="lm_head.weight", shape=(cfg.vocab, cfg.hidden)))
     return tuple(specs)
 
 

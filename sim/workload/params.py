@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from math import prod
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParamSpec:
     """One parameter: its fully qualified name (as in HF) and shape.
 
