@@ -19,6 +19,7 @@ from sim.core.events import OpKind
 from sim.outputs.report import build_report
 from sim.scenario.loader import load_scenario
 from sim.simulate import simulate
+from sim.workload.model import param_specs
 from validation.compare import simulated_phases
 from validation.real_timeline import timeline_table
 
@@ -200,3 +201,27 @@ def test_a_memory_category_too_small_a_share_of_the_peak_prints_no_error() -> No
         line.split(" | ")[0].removeprefix("| "): line.rsplit(" | ", 1)[1].rstrip(" |") for line in lines[4:]
     }
     assert cells == {"peak memory": "+0.0%", "  params": "n/a", "  activations": "+25.0%", "  grads": "n/a"}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("training.max_grad_norm=1.0",), ("training.max_grad_norm=1.0", "parallel.fsdp_version=1")],
+    ids=["fsdp2", "fsdp1"],
+)
+def test_a_real_clipped_step_all_reduces_the_norms_the_simulation_does(
+    tiny_fp32_profile: Path, overrides: tuple[str, ...]
+) -> None:
+    """``training.max_grad_norm``: the real step clips (FSDP2: torch's clip_grad_norm_ over the
+    DTensor gradients, whose stacked per-parameter norms one all-reduce sums; FSDP1: its own
+    ``clip_grad_norm_``, one fp32 total), and the simulated step issues the same collectives, the
+    norm's all-reduce with its bytes, beside the same all-gathers and reduce-scatters."""
+    result = validate_tiny(tiny_fp32_profile, *overrides)
+    assert result["collectives_match"], result["collectives"]
+    by_name = {c["collective"]: c for c in result["collectives"]}
+    assert set(by_name) == {"all_gather", "reduce_scatter", "all_reduce"}
+    scenario = load_scenario(TINY, list(overrides))
+    params = len(param_specs(scenario.model))  # the tiny scenario's 21
+    fsdp2 = scenario.parallel.fsdp_version == 2
+    assert by_name["all_reduce"]["measured_count"] == 1
+    assert by_name["all_reduce"]["measured_bytes"] == 4 * (params if fsdp2 else 1)
+    assert abs(row(result, "peak memory")["error"]) <= (0.05 if fsdp2 else 0.01)
