@@ -14,7 +14,8 @@ quoted as they give them, in GB (10^9 B).
 
 This module assembles the blocks and reads and writes the README; the paragraphs come from
 ``bench.answers_seeds``, ``answers_node``, ``answers_workloads`` and ``answers_ranks`` (the
-scenarios block), ``answers_tools`` (sweep and tune) and ``answers_offload`` (offload).
+scenarios block), ``answers_tools`` (sweep and tune), ``answers_offload`` (offload) and
+``answers_validation`` (the CPU validation figures, read from VALIDATION.md).
 """
 
 import argparse
@@ -28,6 +29,7 @@ from bench.answers_offload import offload_section
 from bench.answers_ranks import scale_out, slow_rank
 from bench.answers_seeds import seed_checkpointing, seed_model_state
 from bench.answers_tools import sweep_example, tune_example
+from bench.answers_validation import cpu_validation
 from bench.answers_workloads import packing, sft_vs_grpo
 from sim.fileio import write_text_atomic
 
@@ -67,6 +69,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "answers:sweep": sweep_example,  # README "fsdpsim sweep": the scenarios/sweep-7b-strategies.toml example
     "answers:tune": tune_example,  # README "fsdpsim tune": the examples
     "answers:offload": offload_section,  # README "FSDP2's CPU offload": the QLoRA recipe and the sweep
+    "answers:validation": cpu_validation,  # README "Validation": VALIDATION.md's FSDP2 matrix run
 }
 """Each README marker name and the function that writes the text between its markers."""
 

@@ -31,3 +31,16 @@ def test_splice_replaces_only_the_text_between_markers() -> None:
     assert answers.between(new, "answers") == "new\ntext"
     with pytest.raises(ValueError, match="exactly one"):
         answers.between(text + text, "answers")
+
+
+def test_the_validation_figures_are_the_run_validation_md_holds() -> None:
+    """The README's CPU validation table is VALIDATION.md's FSDP2 matrix summary, row for row, and
+    a figure past its target is said to be so."""
+    figures = importlib.import_module("bench.answers_validation")
+    section = figures.fsdp2_matrix_section()
+    held = figures._rows(figures._after(section, "### Summary"))
+    shown = figures._rows(answers.between(answers.README.read_text(), "answers:validation").splitlines())
+    assert [r[0] for r in shown] == [r[0] for r in held] and len(held) > 0
+    assert figures._against((0.037, 0.084), (0.10, 0.20)).endswith(": met)")
+    assert figures._against((0.12, 0.15), (0.10, 0.20)).endswith("NOT met)")
+    assert figures._against((0.05, 0.25), (0.10, 0.20)).endswith("NOT met)")
