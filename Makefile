@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 SCENARIO ?= scenarios/llama2-7b-8xh100-zero3.toml
 
-.PHONY: install run test lint bench validate validate-published validate-gpu clean
+.PHONY: install run test lint bench validate validate-published validate-gpu device-wheels validate-gpu-device clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,17 @@ validate-published: install
 # on a machine with NVIDIA GPUs only (never in CI): about ten minutes
 validate-gpu: install
 	timeout 600 $(BIN)/python -m validation.gpu --out VALIDATION.md
+
+# The lent GPU machine (the `device` tool): no network, no venv; its python3 holds torch with CUDA,
+# transformers and peft but not simpy. Here, first: `make device-wheels` (simpy's wheel into .whl/,
+# git-ignored, which the call carries). There: `make validate-gpu-device`, or without make
+# `bash validation/validate_gpu_device.sh` (VALIDATION.md and the LoRA row's trace into $$OUT).
+SIMPY_WHEEL ?= simpy==4.1.2
+device-wheels: install
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl "$(SIMPY_WHEEL)"
+
+validate-gpu-device:
+	bash validation/validate_gpu_device.sh
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -20,12 +20,17 @@ def _umask() -> int:
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder, flushed to disk,
     then ``os.replace``: a reader sees the old file or the new one, never half of one."""
+    write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """``write_text_atomic`` for bytes (a compressed trace)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual mode

@@ -8,7 +8,15 @@ request rounded to 2 MiB from 10 MiB on, pools per stream, a block reusable at i
 
 import pytest
 
-from validation.allocator_trace import REPLAY_STREAMS, check_trace, trace_events, trace_peaks
+from validation.allocator_trace import (
+    REPLAY_STREAMS,
+    check_trace,
+    load_trace,
+    main,
+    save_trace,
+    trace_events,
+    trace_peaks,
+)
 from validation.gpu import allocator_line
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -99,3 +107,27 @@ def test_the_gpu_section_states_both_peaks() -> None:
         "(10 entries, 2 streams) reserves 0.025 GiB against the GPU's 0.025 GiB (+0.0%); its active "
         "peak 0.024 against 0.024 GiB."
     )
+
+
+def test_a_saved_trace_reads_back_as_the_same_check(tmp_path, capsys) -> None:
+    """The trace ``make validate-gpu-device`` brings home (``save_trace``) is read here without a
+    GPU: the same entries, the device's memory and name, and the same check from the command."""
+    entries = _two_streams_trace()
+    path = tmp_path / "trace.json.gz"
+    save_trace(path, entries, capacity_bytes=80 << 30, device="NVIDIA H100 80GB HBM3")
+    loaded, capacity, device = load_trace(path)
+    assert loaded == entries and capacity == 80 << 30 and device == "NVIDIA H100 80GB HBM3"
+    assert main([str(path)]) == 0
+    check = check_trace(entries, 80 << 30)
+    printed = capsys.readouterr().out
+    assert f"the GPU {check['gpu_reserved_bytes'] / 2**30:.3f} GiB" in printed
+    assert f"its sequence {check['replayed_reserved_bytes'] / 2**30:.3f} GiB" in printed
+
+
+def test_a_file_that_is_no_saved_trace_is_one_clear_error(tmp_path, capsys) -> None:
+    path = tmp_path / "not-a-trace.json.gz"
+    path.write_text("{}")
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("allocator_trace: error:") and str(path) in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

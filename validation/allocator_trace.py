@@ -13,12 +13,24 @@ through ``CachingAllocator`` (``replay``, which also replays the fake run's stor
 ``validation.allocator_replay``); the trace's own segments give
 what the GPU reserved. Equal: the allocator model is right and an error is in the sequence the
 simulator asks for; apart: the allocator model misses a rule.
+
+The trace itself can come home (``save_trace``: the actions, addresses, sizes and streams, gzipped
+JSON; ``make validate-gpu-device`` leaves it in ``$OUT``), to be read here without a GPU:
+``python -m validation.allocator_trace TRACE.json.gz`` prints the same check, and
+``load_trace`` hands the entries to whatever compares them with a fake run's storage log.
 """
 
+import argparse
+import gzip
+import json
+import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from sim.core.events import Stream
+from sim.errors import UserError
+from sim.fileio import write_bytes_atomic
 from sim.outputs.caching_allocator import CachingAllocator
 
 # CUDA streams are numbered by their handle; the replay needs only which are the same
@@ -127,3 +139,60 @@ def check_trace(entries: Sequence[Mapping[str, Any]], capacity_bytes: int) -> di
         "gpu_active_bytes": gpu["active_bytes"],
         "replayed_active_bytes": replayed["peak_allocated_bytes"],
     }
+
+
+# what a saved trace keeps of each entry (``TraceEntry``; the stack frames are not recorded)
+TRACE_FIELDS = ("action", "addr", "size", "stream")
+
+
+def save_trace(
+    path: str | Path, entries: Sequence[Mapping[str, Any]], *, capacity_bytes: int, device: str
+) -> None:
+    """The trace's entries, each as its ``TRACE_FIELDS``, with the device's memory and name, as
+    gzipped JSON written atomically."""
+    rows = [
+        [e["action"], int(e.get("addr", 0)), int(e.get("size", 0)), int(e.get("stream", 0))] for e in entries
+    ]
+    doc = {"device": device, "capacity_bytes": capacity_bytes, "fields": list(TRACE_FIELDS), "entries": rows}
+    write_bytes_atomic(path, gzip.compress(json.dumps(doc, separators=(",", ":")).encode()))
+
+
+def load_trace(path: str | Path) -> tuple[list[dict[str, Any]], int, str]:
+    """A saved trace's entries (as ``torch.cuda.memory._snapshot`` gives them, those fields only),
+    the device's memory and its name; a file that is not one is a ``UserError`` naming it."""
+    try:
+        doc = json.loads(gzip.decompress(Path(path).read_bytes()))
+        fields = doc["fields"]
+        entries = [dict(zip(fields, row, strict=True)) for row in doc["entries"]]
+        return entries, int(doc["capacity_bytes"]), str(doc["device"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"{path}: not a saved allocator trace (validation.allocator_trace.save_trace): {e}"
+        ) from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m validation.allocator_trace",
+        description="A GPU's saved allocation trace through the allocator model: both peaks.",
+    )
+    parser.add_argument("trace", help="a trace saved by save_trace (TRACE.json.gz)")
+    args = parser.parse_args(argv)
+    try:
+        entries, capacity, device = load_trace(args.trace)
+    except UserError as e:
+        print(f"allocator_trace: error: {e}", file=sys.stderr)
+        return 2
+    check = check_trace(entries, capacity)
+    gib = 2**30
+    print(
+        f"{device}: {check['entries']:,} entries, {check['streams']} streams; reserved: the GPU "
+        f"{check['gpu_reserved_bytes'] / gib:.3f} GiB, the model fed its sequence "
+        f"{check['replayed_reserved_bytes'] / gib:.3f} GiB; active: "
+        f"{check['gpu_active_bytes'] / gib:.3f} against {check['replayed_active_bytes'] / gib:.3f} GiB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

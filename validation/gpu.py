@@ -1,18 +1,25 @@
 """``make validate-gpu``: the GPU checks, prepared for a machine with one or more NVIDIA GPUs, in
 at most ten minutes. Never part of CI (there is no GPU there).
 
-1. The built-in profile of this GPU (matched by ``torch.cuda.get_device_name``) predicts real
+1. First, the development set's LoRA row (``LORA_ROW``: llama-recipes PR #41's step at one rank),
+   whose peak reserved memory the simulator misses: the step run once with the caching
+   allocator's history recorded, against the built-in profile's prediction, and the GPU's own
+   trace through the allocator model (``validation.allocator_trace``), which tells an error of
+   the allocator model from one of the simulated sequence. The trace itself is saved in ``$OUT``
+   (``lora-row-trace.json.gz``) when the device tool runs it, to be read here afterwards.
+2. The built-in profile of this GPU (matched by ``torch.cuda.get_device_name``) predicts real
    FSDP2 steps at world size 1 (bf16, fp32 reduce) for a few model sizes: step time, allocated
    and reserved peaks, predicted from the published kernel figures alone (no calibration).
-2. The same steps predicted from this machine's calibrated per-unit compute.
-3. The caching allocator's model fed each step's own allocation trace (``validation.allocator_trace``):
-   its reserved and active peaks against what the GPU's allocator reserved and held.
-4. With two or more GPUs: the NCCL collectives measured (``calibrate comm``) against the NCCL
-   model's prediction for the built-in profile, and a 2-rank FSDP2 step.
-Every figure goes into VALIDATION.md between markers.
+3. The same steps predicted from this machine's calibrated per-unit compute.
+4. The caching allocator's model fed each step's own allocation trace: its reserved and active
+   peaks against what the GPU's allocator reserved and held.
+5. With two or more GPUs: a 2-rank FSDP2 step.
+Every figure goes into VALIDATION.md between markers, rewritten after each item, so that a run
+cut short keeps what it measured.
 """
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -50,6 +57,31 @@ CONFIGS: list[tuple[str, list[str]]] = [
     ),
 ]
 COMMON = ["precision.param_dtype=bf16", "precision.reduce_dtype=fp32", "parallel.strategy=FULL_SHARD"]
+# The development set's first LoRA row (validation.published_memory: Llama-2-7B, LoRA r 8 on
+# q_proj and v_proj, FSDP1 over the bf16 base with no mixed precision, eager attention, every
+# block checkpointed, 4 x 2048 tokens) at one rank, its KV cache off: today's transformers cannot
+# keep it under checkpointing (model.use_cache, sim.scenario.checks).
+LORA_ROW: tuple[str, list[str]] = (
+    "llama-recipes PR #41's LoRA step (Llama-2-7B, eager attention, full AC, 4 x 2048) at one rank, no KV cache",
+    [
+        'model.preset="meta-llama/Llama-2-7b-hf"',
+        "training.micro_batch=4",
+        "training.seq_len=2048",
+        'training.attention="eager"',
+        "parallel.world_size=1",
+        "parallel.fsdp_version=1",
+        'parallel.wrap="peft"',
+        "fsdp1.mixed_precision=false",
+        "fsdp1.limit_all_gathers=true",
+        'precision.param_dtype="bf16"',
+        'checkpointing.mode="full"',
+        'finetune.method="lora"',
+        "finetune.rank=8",
+        "finetune.alpha=32",
+        "finetune.dropout=0.05",
+        'finetune.target_modules=["q_proj", "v_proj"]',
+    ],
+)
 
 
 def builtin_for(device_name: str) -> str:
@@ -62,7 +94,13 @@ def builtin_for(device_name: str) -> str:
 
 def _one(name: str, sets: list[str], nproc: int, profile: str, calibrated: str | None) -> list[str]:
     spec = {"scenario": BASE, "overrides": sets, "steps": 10, "warmup": 3}
-    ranks = run_real(spec, nproc, 300.0)
+    return _compared(name, sets, nproc, run_real(spec, nproc, 300.0), profile, calibrated)
+
+
+def _compared(
+    name: str, sets: list[str], nproc: int, ranks: list[dict], profile: str, calibrated: str | None
+) -> list[str]:
+    """The real run's ranks against the prediction from each profile given."""
     lines = []
     for label, prof in (("built-in, uncalibrated", profile), ("calibrated compute", calibrated)):
         if prof is None:
@@ -108,6 +146,16 @@ def run(out: str, nproc: int) -> str:
         f"Built-in profile `{profile}`; torch {torch.__version__}, CUDA {torch.version.cuda}.",
         "",
     ]
+
+    def record(new: list[str]) -> None:  # each item's figures written (and shown) as they come
+        lines.extend(new)
+        print("\n\n".join(new), flush=True)
+        write_between_markers(out, "gpu", "\n\n".join(lines))
+
+    try:
+        record([_lora_row(profile, os.environ.get("OUT"))])
+    except UserError as e:  # the items after it are still worth their minutes
+        record([f"{LORA_ROW[0]}: failed: {e}"])
     with tempfile.TemporaryDirectory(prefix="fsdpsim-gpu-") as tmp:
         for i, (config, sets) in enumerate(CONFIGS):
             world = [*COMMON, *sets, "parallel.world_size=1"]
@@ -118,13 +166,23 @@ def run(out: str, nproc: int) -> str:
             except UserError as e:  # the uncalibrated prediction is still worth recording
                 print(f"calibration failed: {e}", file=sys.stderr)
                 cal = None
-            lines += _one(config, world, 1, profile, cal)
-            lines.append(_allocator_check(config, world))
+            record([*_one(config, world, 1, profile, cal), _allocator_check(config, world)])
         if torch.cuda.device_count() >= 2:
-            lines += _one(CONFIGS[0][0], [*COMMON, *CONFIGS[0][1], "parallel.world_size=2"], 2, profile, None)
-    section = "\n\n".join(lines)
-    write_between_markers(out, "gpu", section)
-    return section
+            record(_one(CONFIGS[0][0], [*COMMON, *CONFIGS[0][1], "parallel.world_size=2"], 2, profile, None))
+    return "\n\n".join(lines)
+
+
+def _lora_row(profile: str, out_dir: str | None) -> str:
+    """``LORA_ROW`` run once with the allocator's history recorded: its comparison with the
+    built-in profile's prediction and the allocator check, its trace saved in ``out_dir``."""
+    name, sets = LORA_ROW
+    spec: dict = {"scenario": BASE, "overrides": sets, "steps": 3, "warmup": 1, "allocator_trace": True}
+    if out_dir:
+        spec["allocator_trace_file"] = str(Path(out_dir) / "lora-row-trace.json.gz")
+    ranks = run_real(spec, 1, 420.0)
+    return "\n\n".join(
+        [*_compared(name, sets, 1, ranks, profile, None), allocator_line(name, ranks[0]["allocator_trace"])]
+    )
 
 
 def _profile_file(name: str, folder: Path) -> Path:
@@ -144,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        print(run(args.out, args.nproc or max(1, torch.cuda.device_count())))
+        run(args.out, args.nproc or max(1, torch.cuda.device_count()))
+        print(f"written to {args.out}")
     except UserError as e:
         print(f"validate-gpu: error: {e}", file=sys.stderr)
         return 2

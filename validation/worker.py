@@ -245,8 +245,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         index = trainer.device.index or 0
         entries = torch.cuda.memory._snapshot(trainer.device)["device_traces"][index]
         torch.cuda.memory._record_memory_history(enabled=None)
-        allocator = check_trace(entries, torch.cuda.get_device_properties(trainer.device).total_memory)
+        capacity = torch.cuda.get_device_properties(trainer.device).total_memory
+        allocator = check_trace(entries, capacity)
         allocator["traced_entries_limit"] = TRACE_ENTRIES
+        if spec.get("allocator_trace_file") and trainer.rank == 0:  # the trace itself, to read elsewhere
+            from validation.allocator_trace import save_trace
+
+            name = torch.cuda.get_device_name(trainer.device)
+            save_trace(spec["allocator_trace_file"], entries, capacity_bytes=capacity, device=name)
     return {
         "rank": trainer.rank,
         "step_times_s": times,
