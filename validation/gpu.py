@@ -154,8 +154,8 @@ def run(out: str, nproc: int) -> str:
 
     try:
         record([_lora_row(profile, os.environ.get("OUT"))])
-    except UserError as e:  # the items after it are still worth their minutes
-        record([f"{LORA_ROW[0]}: failed: {e}"])
+    except Exception as e:  # whatever stops it, the items after it are still worth their minutes
+        record([f"{LORA_ROW[0]}: failed: {type(e).__name__}: {e}"])
     with tempfile.TemporaryDirectory(prefix="fsdpsim-gpu-") as tmp:
         for i, (config, sets) in enumerate(CONFIGS):
             world = [*COMMON, *sets, "parallel.world_size=1"]
