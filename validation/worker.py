@@ -6,7 +6,8 @@ issued per step, and writes ``rank{r}.json`` into the spec's output folder. On a
 CUDA it runs NCCL on ``cuda:LOCAL_RANK`` and synchronises the device around every timer; without
 CUDA it runs gloo on the CPU. With ``allocator_trace`` in the spec (a GPU), the caching
 allocator's history is recorded from before the model is built, and the run's own allocation
-sequence is replayed through the simulator's allocator model (``validation.allocator_trace``).
+sequence is replayed through the simulator's allocator model (``validation.allocator_trace``);
+with ``allocator_trace_file`` too, rank 0 saves that trace there (``save_trace``).
 """
 
 import contextlib
