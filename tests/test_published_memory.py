@@ -27,3 +27,17 @@ def test_70b_trained_whole_in_bf16_allocates_what_llama_recipes_printed() -> Non
     assert report.model_state.grads == params and report.model_state.optimizer == 2 * params
     line, errors = _memory_row(run)
     assert "[42, 43)" in line and len(errors) == 3
+
+
+def test_a_faster_network_never_holds_more_of_the_70b_rows_blocks() -> None:
+    """The 70B row's active peak holds the blocks FSDP1 freed with record_stream that the device
+    has not reduced yet: with each node's NICs faster it holds no more (``active_across_networks``,
+    the sentence of VALIDATION.md's peak-memory notes), and always some (active above allocated)."""
+    from validation.published_memory import NIC_RATES_GBPS, active_across_networks
+
+    run = MEMORY_RUNS[-1]
+    assert list(NIC_RATES_GBPS) == sorted(NIC_RATES_GBPS)
+    active = active_across_networks(run)
+    assert active == sorted(active, reverse=True)
+    allocated = predict_tables(run.name, run.tables).peak_memory_bytes
+    assert min(active) > allocated

@@ -228,6 +228,22 @@ def active_peak_holdings(run: PublishedMemoryRun) -> tuple[str, dict[str, int]]:
     return at, {k: sum(v for label, v in held.items() if label.startswith(k + ":")) for k in kinds}
 
 
+# NIC rates (Gb/s, each of the node's NICs) the 70B row's active peak is predicted at: from well
+# below any training cluster's to the 400 Gb/s NICs of current ones; the source gives no network
+NIC_RATES_GBPS = (6.25, 25.0, 100.0, 400.0)
+
+
+def active_across_networks(run: PublishedMemoryRun, rates: tuple[float, ...] = NIC_RATES_GBPS) -> list[int]:
+    """The run's predicted peak active bytes with each NIC rate of ``rates`` in place of its
+    cluster's: how far the network it does not give can move that figure."""
+    return [
+        build_report(
+            simulate(scenario_from_dict(run.tables, run.name, [f"cluster.nic_gbps={rate}"]))
+        ).peak_active_bytes
+        for rate in rates
+    ]
+
+
 def _here_against_published(run: PublishedMemoryRun) -> str:
     """The source's code run here against the source's allocated (else its active)."""
     assert run.measured_here_bytes is not None
@@ -316,6 +332,7 @@ def _measured_here_paragraph(runs: list[PublishedMemoryRun]) -> str:
     70B row's active memory above its allocated."""
     here = [r for r in runs if r.measured_here_bytes is not None]
     at, held = active_peak_holdings(runs[-1])
+    across = active_across_networks(runs[-1])
     return (
         "The source's code run here: `python -m validation.legacy_transformers --memory-row N --site DIR` "
         "(DIR from `pip install --no-deps --target DIR transformers==4.31.0 huggingface-hub==0.16.4 "
@@ -334,9 +351,22 @@ def _measured_here_paragraph(runs: list[PublishedMemoryRun]) -> str:
         f"`{at.split(':')[0]}` (the optimizer step's foreach temporaries), issued while the device "
         f"is still reducing the last units: {held['flat_grad'] / GIB:.2f} GiB of flat gradients and "
         f"{held['unsharded_flat_param'] / GIB:.2f} GiB of unsharded parameters held for the device (the "
-        "source's 17 in all, on a network it does not give; the two nodes assumed AWS p4d). The LoRA rows have almost no gradients to hold: their "
+        "source's 17 in all, on a network it does not give; the two nodes assumed AWS p4d). Nor does the "
+        f"network close the gap: with each node's NICs at {_rates(NIC_RATES_GBPS)} Gb/s the row's "
+        f"predicted active is {_gib_list(across)} GiB, against the published "
+        f"[{runs[-1].active_gib:.0f}, {runs[-1].active_gib + 1:.0f}): the predicted figure stops growing as the "
+        "network slows, and what holds the rest is not identified. The LoRA rows have "
+        "almost no gradients to hold: their "
         "active is their allocated in the host's order, which the code run here measures."
     )
+
+
+def _rates(rates: tuple[float, ...]) -> str:
+    return ", ".join(f"{r:g}" for r in rates)
+
+
+def _gib_list(values: list[int]) -> str:
+    return ", ".join(f"{v / GIB:.2f}" for v in values)
 
 
 def _replay_paragraph(runs: list[PublishedMemoryRun]) -> str:
