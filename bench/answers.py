@@ -32,6 +32,7 @@ from bench.answers_tools import sweep_example, tune_example
 from bench.answers_validation import cpu_validation
 from bench.answers_workloads import packing, sft_vs_grpo
 from sim.fileio import write_text_atomic
+from validation.marked_sections import section_span
 
 # ---- "Scenarios and their answers" ----
 
@@ -79,23 +80,14 @@ def generate() -> dict[str, str]:
     return {name: block() for name, block in BLOCKS.items()}
 
 
-def _span(text: str, name: str) -> tuple[int, int]:
-    """Where the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` lies (its own
-    lines: the newline after the begin marker and the one before the end marker excluded)."""
-    begin, end = f"<!-- {name}:begin -->\n", f"\n<!-- {name}:end -->"
-    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
-        raise ValueError(f"README.md needs exactly one {begin.strip()} ... {end.strip()} pair, in that order")
-    return text.index(begin) + len(begin), text.index(end)
-
-
 def between(text: str, name: str) -> str:
-    start, stop = _span(text, name)
+    start, stop = section_span(text, name, README.name)
     return text[start:stop]
 
 
 def splice(text: str, blocks: dict[str, str]) -> str:
     for name, body in blocks.items():
-        start, stop = _span(text, name)
+        start, stop = section_span(text, name, README.name)
         text = text[:start] + body + text[stop:]
     return text
 

@@ -6,7 +6,7 @@ the targets, and the memory-at-scale summary."""
 import re
 
 from bench.answer_kit import ROOT, para, table
-from validation.marked_sections import markers
+from validation.marked_sections import section_span
 
 VALIDATION = ROOT / "VALIDATION.md"
 # the targets of the validation matrix (step time, then peak memory: median |error|, worst)
@@ -16,12 +16,10 @@ _SUMMARY = re.compile(r"median \|error\| (-?[\d.]+)%, worst (-?[\d.]+)%")
 
 
 def fsdp2_matrix_section() -> str:
-    """The text VALIDATION.md holds between the FSDP2 matrix's markers."""
+    """The text VALIDATION.md holds between the FSDP2 matrix's markers (`make validate` writes it)."""
     text = VALIDATION.read_text()
-    begin, end = markers("matrix:fsdp2")
-    if begin not in text or end not in text:
-        raise ValueError(f"{VALIDATION.name} has no {begin} ... {end} section: run `make validate`")
-    return text[text.index(begin) + len(begin) : text.index(end)]
+    start, stop = section_span(text, "matrix:fsdp2", VALIDATION.name)
+    return text[start:stop]
 
 
 def _after(section: str, heading: str) -> list[str]:
@@ -78,12 +76,13 @@ def cpu_validation() -> str:
         if len(matched) == len(rows)
         else f"The collectives of {len(rows) - len(matched)} configurations do not match."
     )
+    scale_median, scale_worst = _summary(scale, "Peak memory")
     figures = para(
         f"""**Step time**: {_against(_summary(summary, "Step time"), STEP_TARGETS)}. **Peak memory**:
         {_against(_summary(summary, "Peak memory"), MEMORY_TARGETS)}. {collectives} **Memory at scale**
         (`--memory-only`, one real FSDP2 rank in fake mode at the preset's world size, every row in
-        `VALIDATION.md`): median |error| {_summary(scale, "Peak memory")[0] * 100:.1f} %, worst
-        {_summary(scale, "Peak memory")[1] * 100:.1f} % over {len(_rows(scale))} configurations."""
+        `VALIDATION.md`): median |error| {scale_median * 100:.1f} %, worst
+        {scale_worst * 100:.1f} % over {len(_rows(scale))} configurations."""
     )
     return "\n\n".join(
         (

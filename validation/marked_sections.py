@@ -16,6 +16,17 @@ def markers(key: str) -> tuple[str, str]:
     return f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
 
 
+def section_span(text: str, key: str, where: str) -> tuple[int, int]:
+    """Where the text between ``key``'s markers lies in ``text`` (its own lines: the newline after
+    the begin marker and the one before the end marker excluded); ``where`` names the file in the
+    ValueError raised unless there is exactly one pair, in that order."""
+    opening, closing = markers(key)
+    begin, end = opening + "\n", "\n" + closing
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"{where} needs exactly one {begin.strip()} ... {end.strip()} pair, in that order")
+    return text.index(begin) + len(begin), text.index(end)
+
+
 def write_between_markers(path: str, key: str, section: str) -> None:
     """Replace the section between ``<!-- key:begin -->`` and ``<!-- key:end -->`` in ``path``
     (appended the first time), keeping the rest of the file."""
