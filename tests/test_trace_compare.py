@@ -19,7 +19,7 @@ def _rec(label: str, delta: int, **kw) -> MemoryRecord:
 def test_the_simulated_requests_are_the_ones_the_replay_serves() -> None:
     """An ordered buffer asks for its order's requests, its partner's tensors among them (the
     partner is not asked for again); a buffer of pieces asks for each; frees ask for nothing."""
-    order = RequestOrder(events=(3 * MIB, 5 * MIB, 0, 7 * MIB), kept=(True, False), partner="saved")
+    order = RequestOrder(events=(3 * MIB, 5 * MIB, 0, 7 * MIB), kept=(True, False, True), partner="saved")
     records = [
         _rec("temp", 8 * MIB, order=order),
         _rec("saved", 12 * MIB),  # placed by temp's order

@@ -19,30 +19,41 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sim.core.events import MemoryRecord
+from sim.core.events import MemoryRecord, Stream
 from sim.errors import UserError
-from sim.outputs.allocator import allocator_order, tensor_sizes
-from sim.outputs.caching_allocator import MIB, round_size
+from sim.outputs.allocator import Served, allocator_order, serve_record
+from sim.outputs.caching_allocator import MIB, Block, CachingAllocator, round_size
+from sim.scenario.loader import load_scenario
+from sim.simulate import simulate
+from validation.allocator_trace import load_trace
+from validation.gpu import BASE, LORA_ROW, builtin_for
 
 MIN_MIB = 64  # the sizes that make segments of their own (the eager scores are 1 and 2 GiB)
 
 
+class _RecordingAllocator(CachingAllocator):
+    """The allocator model, noting the size of every request it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity_bytes=1 << 62)  # no device limit: nothing is released to fit
+        self.requests: list[int] = []
+
+    def take(self, nbytes: int, stream: Stream) -> Block:
+        self.requests.append(nbytes)
+        return super().take(nbytes, stream)
+
+
 def simulated_requests(records: Iterable[MemoryRecord]) -> list[int]:
     """The request sizes one simulated step makes of the caching allocator, in the order it makes
-    them (``sim.outputs.allocator.serve_record``): an ordered buffer's requests, which also place
-    its partner's tensors, else each buffer's tensors."""
-    placed: set[str] = set()
-    sizes: list[int] = []
+    them: its allocations served as the reserved-memory replay serves them
+    (``sim.outputs.allocator.serve_record``: an ordered buffer's requests, its partner's tensors
+    among them, else each buffer's tensors); its frees ask for nothing and are left out."""
+    allocator = _RecordingAllocator()
+    served: Served = {}
     for rec in records:
-        if rec.delta_bytes <= 0:
-            continue
-        if rec.order is not None:
-            sizes += [e for e in rec.order.events if e > 0]
-            if rec.order.partner:
-                placed.add(rec.order.partner)
-        elif rec.label not in placed:
-            sizes += list(tensor_sizes(rec))
-    return sizes
+        if rec.delta_bytes > 0:
+            serve_record(allocator, rec, served)
+    return allocator.requests
 
 
 def gpu_requests(entries: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -77,11 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-mib", type=float, default=MIN_MIB, help="smallest request size shown")
     args = parser.parse_args(argv)
     try:
-        from sim.scenario.loader import load_scenario
-        from sim.simulate import simulate
-        from validation.allocator_trace import load_trace
-        from validation.gpu import BASE, LORA_ROW, builtin_for
-
         entries, _, device = load_trace(args.trace)
         scenario = load_scenario(BASE, [*LORA_ROW[1], f'cluster.profile="{builtin_for(device)}"'])
     except UserError as e:
