@@ -169,6 +169,7 @@ def build_step(
         ),
         grad_accum=training.grad_accum,
         optimizer=scenario.optimizer.name,
+        optimizer_implementation=scenario.optimizer.implementation,
         master_dtype=scenario.master_dtype,
         param_dtype=scenario.param_dtype,
         param_bytes=dtype_bytes(scenario.param_dtype),

@@ -17,7 +17,7 @@ from sim.errors import UserError
 from sim.scenario.sections import Scenario
 from sim.workload.checkpointing import CheckpointPlan, checkpoint_plan
 from sim.workload.model import ModelConfig
-from sim.workload.options import OutputFormat, Strategy, WrapPolicy
+from sim.workload.options import OptimizerImplementation, OptimizerName, OutputFormat, Strategy, WrapPolicy
 from sim.workload.units import unit_prefixes
 from validation.sac_policy import op_sac_context, sac_save_list  # noqa: F401 (re-exported)
 
@@ -200,6 +200,24 @@ def _set_prefetch(units: list[Any], scenario: Scenario) -> None:
             unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + fwd])
         if bwd != 1:  # 1 is FSDP2's implicit default; anything else is an explicit list
             unit.set_modules_to_backward_prefetch(units[max(0, i - bwd) : i][::-1])
+
+
+def build_optimizer(params: Any, scenario: Scenario) -> torch.optim.Optimizer:
+    """The scenario's optimizer as ``torch.optim`` builds it, in the implementation it names
+    (``optimizer.implementation``: foreach, for-loop = ``foreach=False``, fused): AdamW; SGD with
+    momentum 0.9 (what the calibration times); ``none`` as SGD without momentum, which keeps no
+    state and no temporaries."""
+    impl = scenario.optimizer.implementation
+    flags: dict[str, Any] = (
+        {"fused": True}
+        if impl is OptimizerImplementation.FUSED
+        else {"foreach": impl is OptimizerImplementation.FOREACH}
+    )
+    name = scenario.optimizer.name
+    if name is OptimizerName.ADAMW:
+        return torch.optim.AdamW(params, lr=1e-4, **flags)
+    momentum = 0.9 if name is OptimizerName.SGD else 0.0
+    return torch.optim.SGD(params, lr=1e-4 if momentum else 0.0, momentum=momentum, **flags)
 
 
 def step_loss(

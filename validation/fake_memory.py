@@ -38,14 +38,13 @@ import sys
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from sim.errors import UserError
 from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.workload.options import FinetuneMethod, Strategy
-from validation.build import build_scenario_model, wrap
+from validation.build import build_optimizer, build_scenario_model, wrap
 from validation.fake_mode_patches import (
     catch_all_reshard_by_storage,
     one_sequence_per_row,
@@ -69,7 +68,7 @@ class FakeTrainer(Trainer):
         self.model = self.wrapped.model
         self.ddp_counts = {}
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
-        self.optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)
+        self.optimizer = build_optimizer(trainable, scenario)
         self.autocast = False  # FSDP2 mixed precision is the MixedPrecisionPolicy, not autocast
 
 

@@ -93,7 +93,14 @@ COOKBOOK_70B_NOTE = (
     "not depend on the network; active does: it holds what the device has not yet reduced). Its figures are "
     "byte2gb's, whole GiB rounded down. Peak active exceeds allocated by 17 GiB: blocks the host has "
     "freed whose reuse waits, by record_stream, for the device's compute and post-backward streams to "
-    "pass them (fake mode has no streams to show it)"
+    "pass them (fake mode has no streams to show it). `--low_cpu_fsdp` refuses any torch but a nightly of "
+    "2023-07-01 or later (commit 895dfcea), so the run's FSDP1 is torch 2.1's, which holds what torch 2.13's "
+    "does here: its post-backward pads a flat gradient (`F.pad`, a copy) only where its numel is not a "
+    "multiple of the world size (every unit's divides by 16), and its pre-backward unshards only what was "
+    "not prefetched. The AnyPrecisionAdamW row: the recipe's `--optimizer anyprecision` "
+    "(`AnyPrecisionAdamW(momentum_dtype=bf16, variance_dtype=bf16, use_kahan_summation=False)`), a loop "
+    "over the parameters whose temporaries are the for-loop AdamW's (`optimizer.implementation = "
+    '"for-loop"`)'
 )
 
 
@@ -155,6 +162,16 @@ MEMORY_RUNS: list[PublishedMemoryRun] = [
         note=COOKBOOK_70B_NOTE,
         measured_here_bytes=44_481_965_388,
         replayed_reserved_bytes=50_845_450_240,
+    ),
+    PublishedMemoryRun(
+        name="the same with the recipe's AnyPrecisionAdamW (bf16 states, no Kahan summation; issue #120)",
+        source=COOKBOOK_70B,
+        tables={**_cookbook_70b(), "optimizer": {"name": "adamw", "implementation": "for-loop"}},
+        allocated_gib=42,
+        active_gib=52,
+        reserved_gib=58,
+        whole_gib=True,
+        note=COOKBOOK_70B_NOTE,
     ),
 ]
 NOT_PREDICTED = [
@@ -316,6 +333,8 @@ def memory_section(runs: list[PublishedMemoryRun] = MEMORY_RUNS) -> str:
         "",
         _measured_here_paragraph(runs),
         "",
+        _optimizer_pair_paragraph(runs),
+        "",
         _replay_paragraph(runs),
         "",
         "Not predicted:",
@@ -331,8 +350,9 @@ def _measured_here_paragraph(runs: list[PublishedMemoryRun]) -> str:
     """How far the source's own code, run here, is from the published peaks, and what holds the
     70B row's active memory above its allocated."""
     here = [r for r in runs if r.measured_here_bytes is not None]
-    at, held = active_peak_holdings(runs[-1])
-    across = active_across_networks(runs[-1])
+    whole = next(r for r in runs if r.allocated_gib is not None)  # the 70B row, foreach AdamW
+    at, held = active_peak_holdings(whole)
+    across = active_across_networks(whole)
     return (
         "The source's code run here: `python -m validation.legacy_transformers --memory-row N --site DIR` "
         "(DIR from `pip install --no-deps --target DIR transformers==4.31.0 huggingface-hub==0.16.4 "
@@ -354,11 +374,42 @@ def _measured_here_paragraph(runs: list[PublishedMemoryRun]) -> str:
         "source's 17 in all, on a network it does not give; the two nodes assumed AWS p4d). Nor does the "
         f"network close the gap: with each node's NICs at {_rates(NIC_RATES_GBPS)} Gb/s the row's "
         f"predicted active is {_gib_list(across)} GiB, against the published "
-        f"[{runs[-1].active_gib:.0f}, {runs[-1].active_gib + 1:.0f}): the predicted figure stops growing as the "
+        f"[{whole.active_gib:.0f}, {whole.active_gib + 1:.0f}): the predicted figure stops growing as the "
         "network slows, and what holds the rest is not identified. The LoRA rows have "
         "almost no gradients to hold: their "
         "active is their allocated in the host's order, which the code run here measures."
     )
+
+
+def _optimizer_pair_paragraph(runs: list[PublishedMemoryRun]) -> str:
+    """The 70B rows with foreach AdamW and with the recipe's AnyPrecisionAdamW: what the source's
+    figures and the simulator's each lose with the foreach temporaries."""
+    foreach, loop = (r for r in runs if r.allocated_gib is not None)
+    reports = [build_report(_simulated(r)) for r in (foreach, loop)]
+    at, _ = active_peak_holdings(loop)
+    temp = sum(b for b in _temp_pieces(foreach)) / GIB
+    active = [r.peak_active_bytes / GIB for r in reports]
+    reserved = [r.peak_reserved_bytes / GIB for r in reports]
+    return (
+        f"The two 70B rows differ in the optimizer alone: with AnyPrecisionAdamW the source prints "
+        f"{foreach.active_gib - loop.active_gib:.0f} GiB less active and "
+        f"{foreach.reserved_gib - loop.reserved_gib:.0f} GiB less reserved (to a GiB either way, the figures "
+        f"being rounded down), the foreach step's temporaries ({temp:.2f} GiB, one per flat parameter) gone. "
+        f"The simulator's active falls by {active[0] - active[1]:.2f} GiB, to {active[1]:.2f}, its peak moving "
+        f"from the optimizer's first request to `{at.split(':')[0]}` in the backward of `{at.split(':')[1]}`, and its "
+        f"reserved by {reserved[0] - reserved[1]:.2f} GiB (its reserved peak is in backward in both): so the "
+        "GPU gave the foreach temporaries some new segments where the simulated step finds them cached "
+        "holes, and the AnyPrecision run held more active blocks than the simulator's peak either at its "
+        "optimizer step or in backward. The held blocks' shortfall is not the foreach step's."
+    )
+
+
+def _temp_pieces(run: PublishedMemoryRun) -> tuple[int, ...]:
+    """The optimizer's temporaries of the run's simulated step (``optimizer_temp_pieces``)."""
+    mem = [
+        m for m in _simulated(run).events.memory_of(0) if m.label == "optimizer_temp" and m.delta_bytes > 0
+    ]
+    return mem[0].pieces if mem else ()
 
 
 def _rates(rates: tuple[float, ...]) -> str:

@@ -28,7 +28,7 @@ from sim.scenario.loader import load_scenario
 from sim.scenario.sections import Scenario
 from sim.workload.options import Strategy
 from validation.build import batch as _batch
-from validation.build import build_scenario_model, step_loss, wrap
+from validation.build import build_optimizer, build_scenario_model, step_loss, wrap
 from validation.counting import CollectiveCounter, counting_allreduce_hook
 
 # FSDPMemTracker categories -> the simulator's
@@ -80,7 +80,7 @@ class Trainer:
         self.ddp_counts: dict[str, dict[str, int]] = {}
         if not self.wrapped.is_fsdp:
             self.model.register_comm_hook(None, counting_allreduce_hook(self.ddp_counts))  # type: ignore[operator]
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
+        self.optimizer = build_optimizer(self.model.parameters(), scenario)
         self.autocast = (
             not self.wrapped.is_fsdp and scenario.param_dtype != "fp32"
         )  # DDP mixed precision = autocast

@@ -20,6 +20,7 @@ from sim.workload.options import (
     LossKernel,
     NormKernel,
     OffloadDevice,
+    OptimizerImplementation,
     OptimizerName,
     OutputFormat,
     Strategy,
@@ -178,6 +179,9 @@ class DeepSpeedSection:
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSection:
     name: OptimizerName = OptimizerName.ADAMW
+    # torch.optim's implementation: "foreach" (its default on CUDA), "for-loop" (foreach=False;
+    # also llama-recipes' AnyPrecisionAdamW, a loop over the parameters) or "fused" (fused=True)
+    implementation: OptimizerImplementation = OptimizerImplementation.FOREACH
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ from sim.dtypes import dtype_bytes
 from sim.schedule.emit import OpEmitter
 from sim.schedule.model_state import numel_per_rank, optimizer_tensor_numels
 from sim.schedule.step import StepConfig
-from sim.workload.options import OptimizerName
+from sim.workload.options import OptimizerImplementation, OptimizerName
 from sim.workload.units import ROOT
 
 
@@ -48,12 +48,37 @@ def emit_grad_clip(emitter: OpEmitter) -> None:
     emitter.compute(OpKind.COPY, "clip_grad_norm_ scale", ROOT, mb, cfg.costs.copy_s(grad_bytes))
 
 
+def optimizer_temp_pieces(cfg: StepConfig) -> tuple[int, ...]:
+    """The bytes of the temporaries AdamW holds at once, one piece per tensor, in the states'
+    dtype (torch 2.13 ``optim/adam.py``, which AdamW runs):
+    - foreach: one per tensor it steps, all at once (``torch._foreach_sqrt(exp_avg_sqs)``,
+      divided and added to in place, then read by ``_foreach_addcdiv_``);
+    - for-loop: per tensor ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``, so
+      at the division the square root and its quotient, while the name ``denom`` still holds the
+      previous tensor's: at most the previous tensor and two of the current one (llama-recipes'
+      ``AnyPrecisionAdamW`` loops the same way);
+    - fused: none (``torch._fused_adamw_`` updates the states in its kernel).
+    SGD with momentum updates its buffers in place: none."""
+    if cfg.optimizer is not OptimizerName.ADAMW:
+        return ()
+    numels = optimizer_tensor_numels(cfg)
+    b = cfg.master_bytes
+    impl = cfg.optimizer_implementation
+    if impl is OptimizerImplementation.FOREACH:
+        return tuple(n * b for n in numels)
+    if impl is OptimizerImplementation.FUSED or not numels:
+        return ()
+    previous = (0, *numels[:-1])
+    _, before, current = max((p + 2 * n, p, n) for p, n in zip(previous, numels, strict=True))
+    return tuple(x * b for x in (before, current, current) if x)
+
+
 def emit_optimizer_step(emitter: OpEmitter, grad_labels: tuple[str, ...]) -> None:
     """One step over the parameters this rank holds; ``zero_grad(set_to_none=True)`` after it
-    frees ``grad_labels``. foreach AdamW holds one temporary per tensor it steps, in the states'
-    dtype (``torch._foreach_sqrt(exp_avg_sqs)``, torch 2.13 ``optim/adamw.py``): as many
-    allocations, each the size of its tensor, which the caching allocator fits into the holes
-    backward left."""
+    frees ``grad_labels``. AdamW's temporaries (``optimizer_temp_pieces``) are as many
+    allocations, which the caching allocator fits into the holes backward left. The step's time
+    is the calibrated per-element cost whatever the implementation (the calibration times
+    foreach; a for-loop's launches per tensor are not modelled)."""
     cfg = emitter.cfg
     if cfg.grad_scaler:
         emit_grad_scaler_unscale(emitter)
@@ -61,8 +86,7 @@ def emit_optimizer_step(emitter: OpEmitter, grad_labels: tuple[str, ...]) -> Non
         emit_grad_clip(emitter)
     numel = numel_per_rank(cfg)
     temp = "optimizer_temp"
-    adamw = cfg.optimizer is OptimizerName.ADAMW
-    pieces = tuple(n * cfg.master_bytes for n in optimizer_tensor_numels(cfg)) if adamw else ()
+    pieces = optimizer_temp_pieces(cfg)
     emitter.compute(
         OpKind.OPTIMIZER,
         "optimizer step",

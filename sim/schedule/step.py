@@ -12,7 +12,14 @@ from sim.costs.offload import HostCosts
 from sim.dtypes import dtype_bytes
 from sim.workload.checkpointing import CheckpointPlan
 from sim.workload.expert_parallel import expert_padded_numel
-from sim.workload.options import Fsdp1Options, Fsdp2Offload, OptimizerName, Strategy, ZeroOptions
+from sim.workload.options import (
+    Fsdp1Options,
+    Fsdp2Offload,
+    OptimizerImplementation,
+    OptimizerName,
+    Strategy,
+    ZeroOptions,
+)
 from sim.workload.params import ParamSpec
 from sim.workload.units import (
     Segment,
@@ -42,6 +49,7 @@ class StepConfig:
     checkpoint: CheckpointPlan
     grad_accum: int
     optimizer: OptimizerName
+    optimizer_implementation: OptimizerImplementation = OptimizerImplementation.FOREACH
     # the trained parameters' shards, their gradients and optimizer states: fp32, or the
     # parameter dtype where nothing upcasts them (``Scenario.master_dtype``)
     master_dtype: str

@@ -96,6 +96,16 @@ class OptimizerName(StrEnum):
     NONE = "none"
 
 
+class OptimizerImplementation(StrEnum):
+    """Which of ``torch.optim``'s three implementations steps the parameters (``foreach=True``,
+    the default on CUDA; ``foreach=False``; ``fused=True``): they differ in the temporaries AdamW
+    holds, ``sim.schedule.optimizer.optimizer_temp_pieces``."""
+
+    FOREACH = "foreach"
+    FOR_LOOP = "for-loop"
+    FUSED = "fused"
+
+
 # Optimizer states per parameter element, each in fp32 (torch.optim defaults: AdamW keeps
 # exp_avg and exp_avg_sq, SGD with momentum its momentum buffer).
 OPTIMIZER_STATES: dict[OptimizerName, int] = {

@@ -14,8 +14,8 @@ simulator's own numbers, not estimates of a different model:
 """
 
 from sim.schedule.model_state import ddp_bucket_bytes, model_state, numel_per_rank
+from sim.schedule.optimizer import optimizer_temp_pieces
 from sim.schedule.step import StepConfig
-from sim.workload.options import OptimizerName
 from sim.workload.units import WrapUnit
 
 
@@ -56,12 +56,12 @@ def memory_lower_bound_bytes(step: StepConfig) -> int:
     """A lower bound on the simulated peak memory of any rank, in bytes.
 
     During the optimizer step: parameters, gradients and optimizer states (the model state),
-    AdamW's foreach temporary (one fp32 element per parameter) and DDP's gradient buckets. During
+    AdamW's temporaries (``optimizer_temp_pieces``) and DDP's gradient buckets. During
     the last forward op: parameters, optimizer states, gradients when accumulating (kept from the
     first micro-batch on), the saved activations and the unsharded parameters still held.
     """
     state = model_state(step)
-    temp = numel_per_rank(step) * step.master_bytes if step.optimizer is OptimizerName.ADAMW else 0
+    temp = sum(optimizer_temp_pieces(step))
     persistent = state.params + state.optimizer + step.buffer_bytes + ddp_bucket_bytes(step)
     at_optimizer = persistent + state.grads + temp
     grads = state.grads if step.grad_accum > 1 else 0
