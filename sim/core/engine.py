@@ -211,6 +211,8 @@ class Engine:
                 self._free(rank, label, op.op_id)
             for alloc in op.end_allocs:
                 self._alloc(rank, alloc, op.stream, op.op_id)
+            for label in op.late_frees:
+                self._free(rank, label, op.op_id)
             self.ops.append(
                 OpRecord(
                     rank=rank,

@@ -47,7 +47,8 @@ class ProgramOp:
     it becomes ready (after ``start_frees``: buffers the host drops before issuing it), ``frees``
     when it ends (stream-ordered reuse in the caching allocator), then
     ``end_allocs``: what the op leaves behind (the gradients a backward op produces) once its own
-    temporaries are gone."""
+    temporaries are gone, then ``late_frees``: what the host drops once those exist (FSDP2's
+    ``reshard()`` after the backward that made the gradients)."""
 
     op_id: int
     stream: Stream
@@ -61,6 +62,7 @@ class ProgramOp:
     frees: tuple[str, ...] = ()
     end_allocs: tuple[Alloc, ...] = ()
     start_frees: tuple[str, ...] = ()
+    late_frees: tuple[str, ...] = ()
     group: GroupKind | None = None  # set for collectives
     bytes: int = 0  # nccl-tests size of a collective
     algorithm: str = ""  # a collective's algorithm, as its cost model chose it
@@ -137,11 +139,14 @@ class Program:
             self.last_host_op = op.op_id
         return op.op_id
 
-    def add_frees(self, op_id: int, *labels: str) -> None:
+    def add_frees(self, op_id: int, *labels: str, after_outputs: bool = False) -> None:
         """Free ``labels`` when an op already written ends: what a later host action releases once
         that op's stream has passed it (FSDP2's last reduce-scatter input, dropped in the final
-        callback)."""
+        callback); ``after_outputs``: after its ``end_allocs`` (``late_frees``)."""
         op = self.ops[op_id]
-        self.ops[op_id] = replace(op, frees=op.frees + labels)
+        if after_outputs:
+            self.ops[op_id] = replace(op, late_frees=op.late_frees + labels)
+        else:
+            self.ops[op_id] = replace(op, frees=op.frees + labels)
         for label in labels:
             self.host_drops[label] = self.last_host_op

@@ -56,6 +56,9 @@ def memory_ledger(program: Program) -> MemoryLedger:
         for a in op.end_allocs:
             sizes[a.label] = (a.category, a.bytes)
             rows.append((op.op_id, True, a.bytes, a.category, a.label, op.stream, a.pieces, a.order))
+        for label in op.late_frees:
+            category, nbytes = sizes[label]
+            rows.append((op.op_id, True, -nbytes, category, label, op.stream, (), None))
     rows = [r for r in rows if r[2] != 0]
     return MemoryLedger(
         op_ids=np.array([r[0] for r in rows], dtype=np.int64),

@@ -364,7 +364,9 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         grads = mb.unsharded_grads.pop(group)
         frees = list(grads)
         if group in mb.unsharded:
-            frees.append(mb.unsharded.pop(group))
+            # ``reshard()`` comes before ``foreach_reduce``: the unsharded parameters are dropped
+            # once the backward that read them has made its gradients, before the copy-in allocates
+            self.program.add_frees(after, mb.unsharded.pop(group), after_outputs=True)
         if not self.pg.sizes[group].grad_padded:  # no gradient: FSDP2 reshards and returns before reducing
             self.program.add_frees(after, *frees)
             return
