@@ -12,6 +12,7 @@ from typing import Any
 
 from sim.outputs.report import build_report
 from sim.scenario.loader import scenario_from_dict
+from sim.schedule.optimizer import optimizer_temp_pieces
 from sim.simulate import SimResult, simulate
 
 COOKBOOK = (
@@ -386,8 +387,9 @@ def _optimizer_pair_paragraph(runs: list[PublishedMemoryRun]) -> str:
     figures and the simulator's each lose with the foreach temporaries."""
     foreach, loop = (r for r in runs if r.allocated_gib is not None)
     reports = [build_report(_simulated(r)) for r in (foreach, loop)]
+    foreach_at, _ = active_peak_holdings(foreach)
     at, _ = active_peak_holdings(loop)
-    temp = sum(b for b in _temp_pieces(foreach)) / GIB
+    temp = sum(optimizer_temp_pieces(_simulated(foreach).step)) / GIB
     active = [r.peak_active_bytes / GIB for r in reports]
     reserved = [r.peak_reserved_bytes / GIB for r in reports]
     return (
@@ -396,20 +398,13 @@ def _optimizer_pair_paragraph(runs: list[PublishedMemoryRun]) -> str:
         f"{foreach.reserved_gib - loop.reserved_gib:.0f} GiB less reserved (to a GiB either way, the figures "
         f"being rounded down), the foreach step's temporaries ({temp:.2f} GiB, one per flat parameter) gone. "
         f"The simulator's active falls by {active[0] - active[1]:.2f} GiB, to {active[1]:.2f}, its peak moving "
-        f"from the optimizer's first request to `{at.split(':')[0]}` in the backward of `{at.split(':')[1]}`, and its "
+        f"from `{foreach_at.split(':')[0]}` (the optimizer step's first request) to `{at.split(':')[0]}` in the "
+        f"backward of `{at.split(':')[1]}`, and its "
         f"reserved by {reserved[0] - reserved[1]:.2f} GiB (its reserved peak is in backward in both): so the "
         "GPU gave the foreach temporaries some new segments where the simulated step finds them cached "
         "holes, and the AnyPrecision run held more active blocks than the simulator's peak either at its "
         "optimizer step or in backward. The held blocks' shortfall is not the foreach step's."
     )
-
-
-def _temp_pieces(run: PublishedMemoryRun) -> tuple[int, ...]:
-    """The optimizer's temporaries of the run's simulated step (``optimizer_temp_pieces``)."""
-    mem = [
-        m for m in _simulated(run).events.memory_of(0) if m.label == "optimizer_temp" and m.delta_bytes > 0
-    ]
-    return mem[0].pieces if mem else ()
 
 
 def _rates(rates: tuple[float, ...]) -> str:
