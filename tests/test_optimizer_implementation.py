@@ -82,12 +82,15 @@ def test_the_foreach_step_is_the_peak_and_exact(measured: dict[str, object]) -> 
 
 def test_without_foreach_the_peak_falls_into_backward(measured: dict[str, object]) -> None:
     """For-loop and fused AdamW hold too little to make the peak: the real step peaks lower, at
-    the same point for both (the last reduce-scatter of backward), and so does the simulated one,
-    within 2 % (one rank: the real step's peak holds 1.3 MB the simulated one does not)."""
+    the same point for both (the root's backward, the last block's reduce buffer still held), and
+    so does the simulated one, to 0.1 % (the real step also holds the embedding backward's 32 KiB
+    input gradient and the final norm's 1 KiB gradient there). Measured with the tracker's own
+    hold on the last gradient of each group removed (``validation.tracker_hooks``): with it the
+    real peak moved to the root's reduce, 1.4 % above the simulated one."""
     foreach, loop, fused = (_peak(measured[i]) for i in IMPLEMENTATIONS)  # type: ignore[arg-type]
     assert loop.measured == fused.measured < foreach.measured
     assert loop.predicted == fused.predicted < foreach.predicted
-    assert abs(loop.predicted / loop.measured - 1) <= 0.02
+    assert abs(loop.predicted / loop.measured - 1) <= 0.001
 
 
 def test_fsdp2_reshards_before_its_reduce_scatter_copy_in(measured: dict[str, object]) -> None:

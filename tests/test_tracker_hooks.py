@@ -116,3 +116,92 @@ def test_the_fix_is_undone_on_exit() -> None:
     with module_tracking_holds_no_gradients():
         assert mod_tracker.register_multi_grad_hook is not register_multi_grad_hook
     assert mod_tracker.register_multi_grad_hook is register_multi_grad_hook
+
+
+# FSDPMemTracker's post-backward wrapper: a child process (the fake process group is global
+# state), real tensors, rank 0 of WORLD (argv). Prints, per reduce, the parameters whose unsharded
+# gradient is still alive once the reduce-scatter copy-in has read them (at the output's
+# ``_div_if_needed``): untracked, under FSDPMemTracker as PyTorch has it, and with the fix.
+_FSDP_CHILD = r"""
+import contextlib, json, sys
+import torch, torch.distributed as dist
+from torch import nn
+import torch.distributed.fsdp._fully_shard._fsdp_collectives as C
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as G
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.fsdp import fully_shard
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from validation.tracker_hooks import fsdp_tracking_holds_no_gradients
+
+pending, alive = [], []
+reduce, div = C.foreach_reduce, C._div_if_needed
+def probe_reduce(fsdp_params, grads, *args, **kwargs):
+    pending[:] = [(p._param_fqn, StorageWeakRef(g.untyped_storage())) for p, g in zip(fsdp_params, grads)]
+    return reduce(fsdp_params, grads, *args, **kwargs)
+def probe_div(tensor, factor):
+    if pending:
+        alive.append([name for name, ref in pending if not ref.expired()])
+        pending.clear()
+    return div(tensor, factor)
+C.foreach_reduce = G.foreach_reduce = probe_reduce
+C._div_if_needed = probe_div
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=int(sys.argv[1]))
+torch.manual_seed(0)
+model = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(3)))
+fully_shard(model[0]); fully_shard(model[1]); fully_shard(model)
+optim = torch.optim.AdamW(model.parameters())
+out = {}
+for name in ("untracked", "pytorch", "fixed"):
+    alive.clear()
+    fix = fsdp_tracking_holds_no_gradients() if name == "fixed" else contextlib.nullcontext()
+    with fix, (FSDPMemTracker(model, optim) if name != "untracked" else contextlib.nullcontext()):
+        model(torch.randn(8, 16)).sum().backward()
+        optim.step(); optim.zero_grad()
+    out[name] = sorted(alive)
+print(json.dumps(out))
+"""
+
+
+def _held_after_copy_in(world: int) -> dict[str, list[list[str]]]:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FSDP_CHILD, str(world)],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_fsdp_mem_trackers_post_backward_holds_each_groups_last_gradient_and_the_fix_none() -> None:
+    """One rank: the step drops every unsharded gradient at the copy-in; PyTorch 2.13's tracker
+    keeps each group's last one alive through its reduce (model[0], model[1], the root's
+    ``2.weight``), the fixed one none; the fix is undone on exit."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from validation.tracker_hooks import fsdp_tracking_holds_no_gradients
+
+    out = _held_after_copy_in(1)
+    assert out["untracked"] == [[], [], []]
+    assert out["pytorch"] == [["0.weight"], ["1.weight"], ["2.weight"]]
+    assert out["fixed"] == out["untracked"]
+    original = FSDPMemTracker._fsdp_param_group_post_backward
+    with fsdp_tracking_holds_no_gradients():
+        assert FSDPMemTracker._fsdp_param_group_post_backward is not original
+    assert FSDPMemTracker._fsdp_param_group_post_backward is original
+
+
+def test_at_two_ranks_foreach_reduce_itself_holds_each_groups_last_gradient() -> None:
+    """World size 2: torch 2.13's ``foreach_reduce`` holds the group's last gradient itself (its
+    loop over the gradients, run only when ``world_size > 1``, leaves ``unsharded_grad`` bound until
+    it returns), tracked or not; the simulator frees it at the copy-in (``sim.schedule.fsdp2_reduce``)."""
+    out = _held_after_copy_in(2)
+    assert out["untracked"] == out["pytorch"] == out["fixed"] == [["0.weight"], ["1.weight"], ["2.weight"]]

@@ -12,9 +12,10 @@ of the same scenario: identical bytes in every tracker category):
   wrapped by ``validation.build.wrap`` and given ``AdamW(foreach=True)``;
 - one untracked step (creates the optimizer state), then ``FSDPMemTracker`` around one more step
   (``validation.worker.Trainer.step``: forward, backward, ``optimizer.step()``,
-  ``zero_grad(set_to_none=True)``), its module tracking keeping no gradient alive
-  (``validation.tracker_hooks``: PyTorch's own holds a module's input gradients until all of
-  them are computed, which the step without the tracker does not).
+  ``zero_grad(set_to_none=True)``), its module tracking and its post-backward wrapper keeping
+  no gradient alive (``validation.tracker_hooks``: PyTorch's own hold a module's input gradients
+  until all of them are computed, and each parameter group's last gradient through its reduce,
+  which the step without the tracker does not).
 Kernels are the CPU ones (attention, loss); which attention kernel ran, and whether it was given
 ``is_causal`` or an explicit mask, is recorded in ``kernels``.
 The attention mask is decided as in the real run (``one_sequence_per_row``): transformers counts a
@@ -53,7 +54,7 @@ from validation.fake_mode_patches import (
 from validation.kernel_recorder import KernelRecorder, attention_kernel
 from validation.peak_tracker import categories, peak_tracker_class, tracker_key_name
 from validation.step_memory import AllocationLog
-from validation.tracker_hooks import module_tracking_holds_no_gradients
+from validation.tracker_hooks import tracking_holds_no_gradients
 from validation.worker import Trainer, _mesh
 
 
@@ -154,7 +155,7 @@ def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dic
     # FSDPMemTracker refuses a module's second forward in one tracked step; its module
     # statistics are reset between micro-batches (the peak is kept)
     trainer.after_microbatch = tracker.reset_mod_stats  # type: ignore[method-assign]
-    with module_tracking_holds_no_gradients(), tracker:
+    with tracking_holds_no_gradients(), tracker:
         _tracked_steps(trainer)
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     raw = {tracker_key_name(name): int(value) for name, value in snapshot.items()}

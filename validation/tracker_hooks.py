@@ -22,9 +22,26 @@ were held.
 ``module_tracking_holds_no_gradients()`` replaces, inside ModTracker only, the ``"all"`` hook by
 one that counts the gradients as PyTorch's does (per graph task, the expected count from
 ``torch._C._will_engine_execute_node``) but keeps none; ``fn`` gets ``None`` for each input.
+
+``FSDPMemTracker`` holds one more: its wrapper of ``FSDPParamGroup.post_backward``
+(``_fsdp_param_group_post_backward``) notes each unsharded gradient in a loop whose variable,
+``unsharded_grad``, still names the group's last gradient while the wrapped ``post_backward``
+runs. ``post_backward`` drops its own references once the reduce-scatter copy-in has read them,
+so that one gradient (the group's last parameter's: a Llama block's norm weight, the root's
+``lm_head`` weight) is counted through the reduce-scatter's buffers, where the step holds it no
+longer. llama-5m on one rank (micro-batch 1 x 32, fused AdamW) counted 4 MiB (``lm_head``'s
+fp32 gradient) at the root's reduce that the step no longer holds, which made that reduce the
+peak, 1.3 MB (1.4 %) above the step's own (2026-12-07). At world size > 1 it changes nothing:
+there ``foreach_reduce`` itself holds the same gradient until it returns (its loop over the
+gradients, run only then, leaves its variable bound), tracked or not
+(``tests/test_tracker_hooks.py``), and nothing is allocated between its return and
+post-backward's.
+``fsdp_tracking_holds_no_gradients()`` installs the same wrapper with that loop in a function of
+its own. ``tracking_holds_no_gradients()`` is both; the measurements use it.
 """
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -74,3 +91,53 @@ def module_tracking_holds_no_gradients() -> Iterator[None]:
         yield
     finally:
         mod_tracker.register_multi_grad_hook = original
+
+
+def _note_grads(tracker: Any, fsdp_mod: Any, param_attr: str, reftype: Any, *, update_existing: bool) -> None:
+    """Tell the tracker of each gradient of ``fsdp_mod``'s parameter group (``param_attr``: which
+    of each FSDPParam's parameters), in a frame of its own: the loop's variable dies on return."""
+    if group := fsdp_mod._get_fsdp_state()._fsdp_param_group:
+        for fsdp_param in group.fsdp_params:
+            grad = getattr(fsdp_param, param_attr).grad
+            if grad is not None:
+                tracker._update_and_maybe_create_winfos(grad, reftype, update_existing=update_existing)
+
+
+def _post_backward_holding_no_gradient(
+    self: Any, fsdp_mod: Any, orig_fsdp_param_group_post_backward: Callable[..., Any]
+) -> Callable[..., None]:
+    """``FSDPMemTracker._fsdp_param_group_post_backward`` (torch 2.13) with its two gradient loops
+    in ``_note_grads``: the same snapshots and categories, no gradient held (module docstring)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState, _FSDPRefType, _FSDPState
+
+    @functools.wraps(orig_fsdp_param_group_post_backward)
+    def inner(*args: Any, **kwargs: Any) -> None:
+        _note_grads(self, fsdp_mod, "_unsharded_param", _FSDPRefType.UNSHARDED_GRAD, update_existing=True)
+        mod_stat = self.memory_tracking[fsdp_mod]
+        mod_stat.snapshots.setdefault(_FSDPModState.BEF_POST_BW, []).append(self.get_tracker_snapshot())
+        self._fsdp_state = _FSDPState.POST_BW
+        orig_fsdp_param_group_post_backward(*args, **kwargs)
+        _note_grads(self, fsdp_mod, "sharded_param", _FSDPRefType.SHARDED_GRAD, update_existing=False)
+        mod_stat.snapshots.setdefault(_FSDPModState.AFT_POST_BW, []).append(self.get_tracker_snapshot())
+
+    return inner
+
+
+@contextlib.contextmanager
+def fsdp_tracking_holds_no_gradients() -> Iterator[None]:
+    """While active, an ``FSDPMemTracker`` entered wraps post-backward holding no gradient."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    original = FSDPMemTracker._fsdp_param_group_post_backward
+    FSDPMemTracker._fsdp_param_group_post_backward = _post_backward_holding_no_gradient  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FSDPMemTracker._fsdp_param_group_post_backward = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def tracking_holds_no_gradients() -> Iterator[None]:
+    """Both: the trackers entered inside measure the step's memory, not their own references."""
+    with module_tracking_holds_no_gradients(), fsdp_tracking_holds_no_gradients():
+        yield

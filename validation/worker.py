@@ -154,7 +154,7 @@ def _peak_memory(trainer: Any, index: int) -> dict[str, int]:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from validation.tracker_hooks import module_tracking_holds_no_gradients
+    from validation.tracker_hooks import tracking_holds_no_gradients
 
     storage = _storage_peak(trainer, index)
     if storage is not None:
@@ -167,7 +167,7 @@ def _peak_memory(trainer: Any, index: int) -> dict[str, int]:
     cuda = trainer.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(trainer.device)
-    with module_tracking_holds_no_gradients(), tracker:  # the step's memory, not the tracker's
+    with tracking_holds_no_gradients(), tracker:  # the step's memory, not the tracker's
         trainer.step(index)
     snapshot = tracker.get_tracker_snapshot("peak").get(trainer.device) or next(
         iter(tracker.get_tracker_snapshot("peak").values())

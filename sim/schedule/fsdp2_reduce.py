@@ -5,6 +5,10 @@ reduce-scatter has finished (one input buffer in flight), the reduce-scatter (a 
 one-rank shard group) and, for HSDP, the all-reduce across replicas; without gradient sync the
 unsharded gradients accumulate instead, reduced once on the last micro-batch. With
 ``CPUOffloadPolicy`` the reduced shard then goes to the host (``sim.schedule.fsdp2_offload``).
+Not modelled: at world size > 1 torch 2.13's ``foreach_reduce`` keeps the group's last unsharded
+gradient (a Llama block's norm weight; the root's ``lm_head`` weight) until it returns, past the
+reduce-scatter output's allocation (a loop variable left bound, ``tests/test_tracker_hooks.py``);
+here every gradient goes at the copy-in. It moves a peak only where the peak is that allocation.
 """
 
 from dataclasses import dataclass, field
