@@ -202,6 +202,7 @@ def test_fsdp_mem_trackers_post_backward_holds_each_groups_last_gradient_and_the
 def test_at_two_ranks_foreach_reduce_itself_holds_each_groups_last_gradient() -> None:
     """World size 2: torch 2.13's ``foreach_reduce`` holds the group's last gradient itself (its
     loop over the gradients, run only when ``world_size > 1``, leaves ``unsharded_grad`` bound until
-    it returns), tracked or not; the simulator frees it at the copy-in (``sim.schedule.fsdp2_reduce``)."""
+    it returns), tracked or not; the simulator frees it with the reduce-scatter
+    (``sim.schedule.fsdp2_reduce``, ``tests/test_held_gradient.py``)."""
     out = _held_after_copy_in(2)
     assert out["untracked"] == out["pytorch"] == out["fixed"] == [["0.weight"], ["1.weight"], ["2.weight"]]

@@ -61,6 +61,7 @@ class Microbatch(Activations):
     deferred: tuple[str, int] | None = None  # previous forward all-gather output and its copy-out
     rs_states: list[tuple[int, str]] = field(default_factory=list)  # reduce-scatters whose input lives
     unsharded_grads: dict[str, list[str]] = field(default_factory=dict)
+    held_grads: dict[str, str] = field(default_factory=dict)  # group -> its held gradient's label
     post_forward_order: list[str] = field(default_factory=list)
     pre_backward_done: set[str] = field(default_factory=set)
     post_backward_done: set[str] = field(default_factory=set)
@@ -333,9 +334,7 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             grads: tuple[Alloc, ...] = ()
             expert = is_expert_segment(seg, cfg.expert_modules)
             if grad_bytes or not cfg.finetuned:  # frozen parameters leave no gradient
-                label = self.label("unsharded_grads", seg.unit, mb.index)
-                mb.unsharded_grads[seg.unit + EXPERTS if expert else seg.unit].append(label)
-                grads = (Alloc(label=label, category=Mem.GRADS, bytes=grad_bytes),)
+                grads = self._segment_grads(i, seg.unit + EXPERTS if expert else seg.unit, grad_bytes)
             if expert:
                 self._all_to_all("combine backward", seg.unit, after=op)
             op = self._consume(self.backward_segment(i, mb.index, mb, end_allocs=grads))
@@ -344,6 +343,30 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             if i == self.layout.first_seg[seg.unit] and self.layout.needs_grad[seg.unit]:
                 self._post_backward(seg.unit, op)
         self._final_callback(op)
+
+    def _segment_grads(self, i: int, group: str, grad_bytes: int) -> tuple[Alloc, ...]:
+        """The unsharded gradients segment ``i``'s backward leaves for ``group``: one buffer, and
+        apart from it the gradient ``foreach_reduce`` holds past the copy-in (``ParamGroups.held_grad``)
+        where this segment makes it."""
+        mb, cfg = self.mb, self.cfg
+        label = self.label("unsharded_grads", self.cfg.segments[i].unit, mb.index)
+        held_name = self.pg.held_grad.get(group)
+        held = [p for p in cfg.gradient_params[i] if p.trainable and p.name == held_name]
+        allocs = [
+            Alloc(
+                label=label,
+                category=Mem.GRADS,
+                bytes=grad_bytes - sum(p.numel for p in held) * cfg.param_bytes,
+            )
+        ]
+        if held:
+            mb.held_grads[group] = self.label("held_grad", self.cfg.segments[i].unit, mb.index)
+            allocs.append(
+                Alloc(label=mb.held_grads[group], category=Mem.GRADS, bytes=held[0].numel * cfg.param_bytes)
+            )
+        allocs = [a for a in allocs if a.bytes or not cfg.finetuned]
+        mb.unsharded_grads[group].extend(a.label for a in allocs)
+        return tuple(allocs)
 
     def _post_backward(self, unit: str, after: int) -> None:
         """``post_backward``: the reduce-scatter copy-in on the compute stream, then the
@@ -370,7 +393,8 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         if not self.pg.sizes[group].grad_padded:  # no gradient: FSDP2 reshards and returns before reducing
             self.program.add_frees(after, *frees)
             return
-        mb.rs_states = self.reduction.post_backward(group, mb.index, grads, frees, mb.rs_states)
+        held = mb.held_grads.pop(group, None)
+        mb.rs_states = self.reduction.post_backward(group, mb.index, grads, frees, mb.rs_states, held)
 
     def _final_callback(self, last_op: int) -> None:
         """The root's final callback: pending reductions (root first), the last reduce-scatter

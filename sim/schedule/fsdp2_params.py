@@ -86,17 +86,30 @@ class ParamGroups:
     sizes: dict[str, UnitBytes]
     shard_size: dict[str, int]  # the experts' over ``world / E`` ranks, the rest over the world
     kind: dict[str, GroupKind]
+    # group -> the parameter whose unsharded gradient ``foreach_reduce`` holds until it returns:
+    # its last trainable one in registration order, on a group sharded over more than one rank
+    # (``sim.schedule.fsdp2_reduce``)
+    held_grad: dict[str, str]
 
     @staticmethod
     def of(cfg: StepConfig) -> "ParamGroups":
         groups = {u.name: param_groups(cfg, u) for u in cfg.units}
         unit_of = {g: unit for unit, gs in groups.items() for g, _ in gs}
+        shard_size = {
+            g: cfg.shard_size // (cfg.expert_parallel if g.endswith(EXPERTS) else 1) for g in unit_of
+        }
+        last_trainable = {
+            g: next((p.name for p in reversed(params) if p.trainable), None)
+            for gs in groups.values()
+            for g, params in gs
+        }
         return ParamGroups(
             of_unit={unit: tuple(g for g, _ in gs) for unit, gs in groups.items()},
             unit_of=unit_of,
             sizes={g: UnitBytes.of(cfg, params) for gs in groups.values() for g, params in gs},
-            shard_size={
-                g: cfg.shard_size // (cfg.expert_parallel if g.endswith(EXPERTS) else 1) for g in unit_of
-            },
+            shard_size=shard_size,
             kind={g: GroupKind.EXPERT_SHARD if g.endswith(EXPERTS) else GroupKind.SHARD for g in unit_of},
+            held_grad={
+                g: name for g, name in last_trainable.items() if name is not None and shard_size[g] > 1
+            },
         )
