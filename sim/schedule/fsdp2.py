@@ -349,21 +349,15 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         apart from it the gradient ``foreach_reduce`` holds past the copy-in (``ParamGroups.held_grad``)
         where this segment makes it."""
         mb, cfg = self.mb, self.cfg
-        label = self.label("unsharded_grads", self.cfg.segments[i].unit, mb.index)
+        unit = cfg.segments[i].unit
         held_name = self.pg.held_grad.get(group)
-        held = [p for p in cfg.gradient_params[i] if p.trainable and p.name == held_name]
-        allocs = [
-            Alloc(
-                label=label,
-                category=Mem.GRADS,
-                bytes=grad_bytes - sum(p.numel for p in held) * cfg.param_bytes,
-            )
-        ]
-        if held:
-            mb.held_grads[group] = self.label("held_grad", self.cfg.segments[i].unit, mb.index)
-            allocs.append(
-                Alloc(label=mb.held_grads[group], category=Mem.GRADS, bytes=held[0].numel * cfg.param_bytes)
-            )
+        held = next((p for p in cfg.gradient_params[i] if p.trainable and p.name == held_name), None)
+        held_bytes = held.numel * cfg.param_bytes if held is not None else 0
+        label = self.label("unsharded_grads", unit, mb.index)
+        allocs = [Alloc(label=label, category=Mem.GRADS, bytes=grad_bytes - held_bytes)]
+        if held is not None:
+            mb.held_grads[group] = self.label("held_grad", unit, mb.index)
+            allocs.append(Alloc(label=mb.held_grads[group], category=Mem.GRADS, bytes=held_bytes))
         allocs = [a for a in allocs if a.bytes or not cfg.finetuned]
         mb.unsharded_grads[group].extend(a.label for a in allocs)
         return tuple(allocs)
