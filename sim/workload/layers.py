@@ -4,7 +4,9 @@ Activation bytes follow what HF ``LlamaForCausalLM`` saves for backward in eager
 (per token, ``a`` = activation dtype bytes, fp32 internals of RMSNorm and the loss):
 - RMSNorm: the fp32 copy of its input (4h; the input itself when it already is fp32), the
   normalized input cast back (a*h) that the weight multiply saves, the fp32 rsqrt (4), and its
-  output (a*h), which the following projections save.
+  output (a*h), which the following projections save and release in their backward. Its own
+  backward peaks at four fp32 tensors of the input's shape (16h), beside the residual's gradient
+  (a*h) in a block (``_norm_backward_bytes``), as ``hfmodel.trace`` measures HF's module.
 - Rotary embedding: the cos and sin tables (seq * head_dim * a each), once per forward.
 - Attention: RoPE'd q and k, v and the output (a*(2*q_dim + 2*kv_dim)) plus the fp32 log-sum-exp
   (4*n_heads) with flash/memory-efficient kernels; the math path adds the fp32 softmax and its
@@ -103,9 +105,24 @@ def _norm(
         flops=0.0,
         memory_bytes=t * h * _norm_bytes_per_element(a) + (_residual_add_bytes(h, w) if after_add else 0.0),
         saved_bytes=t * (h * (FP32_BYTES + 2 * a) + FP32_BYTES),
+        # its output is saved by the projections after it (q, k, v; gate, up; the head), and
+        # goes once the first of them (the next op) has run its backward, before this op's own
+        saved_released_ahead=((1, t * h * a),),
+        backward_transient_bytes=_norm_backward_bytes(t * h, a, in_block=block is not None),
         host_ops=HOST_OPS["norm"],
         launches=LAUNCHES[where],
     )
+
+
+def _norm_backward_bytes(elements: int, a: int, *, in_block: bool) -> int:
+    """What eager RMSNorm's backward holds at its peak (the autograd formulas of HF's
+    ``LlamaRMSNorm``, their aten calls as ``hfmodel.trace`` records them): as the pow's gradient
+    is made, four fp32 tensors of the input's shape are alive: the rsqrt multiply's gradient of
+    the input, the mean's expanded gradient (``div``), ``2·x`` and their product. In a block the
+    residual stream's gradient (activation dtype) is alive beside them; with fp32 activations
+    the cast is the identity, so the first of the four is already summed into it."""
+    residual = elements * a if in_block and a != FP32_BYTES else 0
+    return 4 * elements * FP32_BYTES + residual
 
 
 def _residual_add(name: str, h: int, w: Workload, block: int) -> LayerOp:
