@@ -350,6 +350,8 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
         where this segment makes it."""
         mb, cfg = self.mb, self.cfg
         unit = cfg.segments[i].unit
+        if self.reduction.accumulates_in_place(group):  # added into the kept ones as they are made
+            return ()
         held_name = self.pg.held_grad.get(group)
         held = next((p for p in cfg.gradient_params[i] if p.trainable and p.name == held_name), None)
         held_bytes = held.numel * cfg.param_bytes if held is not None else 0

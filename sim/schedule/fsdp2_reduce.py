@@ -3,7 +3,11 @@
 ``foreach_reduce``): the reduce-scatter copy-in on the compute stream after the previous
 reduce-scatter has finished (one input buffer in flight), the reduce-scatter (a copy on a
 one-rank shard group) and, for HSDP, the all-reduce across replicas; without gradient sync the
-unsharded gradients accumulate instead, reduced once on the last micro-batch. With
+unsharded gradients accumulate instead, reduced once on the last micro-batch: in a copy cast to
+``reduce_dtype`` where it differs, else in the unsharded parameters' own ``.grad``, to which
+autograd adds each later micro-batch's gradients in place (``accumulates_in_place``; the real
+no-sync step, fp32 and bf16, was 0.4 to 1.8 % above the simulated one while those were held as
+buffers of their own, ``tests/test_no_sync_memory.py``). With
 ``CPUOffloadPolicy`` the reduced shard then goes to the host (``sim.schedule.fsdp2_offload``).
 On a group sharded over more than one rank, torch 2.13's ``foreach_reduce`` keeps the group's
 last unsharded gradient (a Llama block's norm weight; the root's ``lm_head`` weight:
@@ -35,7 +39,10 @@ class GradientReduction:
     groups: ParamGroups
     offload: OffloadCopies | None
     reductions: list[int] = field(default_factory=list)  # every one so far: the final callback waits
-    accumulated: dict[str, str] = field(default_factory=dict)  # group -> gradients kept across micro-batches
+    # group -> the gradients kept across micro-batches (their labels: the reduce-dtype copy, or, where
+    # no cast is needed, the first micro-batch's own unsharded gradients)
+    accumulated: dict[str, list[str]] = field(default_factory=dict)
+    kept_held: dict[str, str] = field(default_factory=dict)  # group -> its held gradient, kept in place
     reduced: set[str] = field(default_factory=set)  # groups reduced once already (sharded gradients exist)
 
     def post_backward(
@@ -53,18 +60,19 @@ class GradientReduction:
         docstring). Returns the reduce-scatters whose input then lives."""
         b, cfg = self.builder, self.builder.cfg
         if not (cfg.sync_every_microbatch or mb == cfg.grad_accum - 1):
-            self._accumulate(group, mb, frees)
+            self._accumulate(group, mb, grads, frees, held)
             return in_flight
-        if group in self.accumulated:  # the held tensor is then the kept gradients' own, not split here
-            held = None
-        elif held is not None:
+        if group in self.accumulated:  # the held tensor is then the kept gradients' own: apart only
+            held = self.kept_held.pop(group, None)  # where they are the first backward's, kept in place
+        if held is not None:
             frees = [f for f in frees if f != held]
         padded = self.groups.sizes[group].grad_padded
         shard = padded // self.groups.shard_size[group]
         added: list[str] = []
         if group in self.accumulated:  # this backward's gradients are added into the kept ones first
             added = grads
-            frees = [f for f in frees if f not in added] + [self.accumulated.pop(group)]
+            frees = [f for f in frees if f not in added]
+            frees += [f for f in self.accumulated.pop(group) if f != held]
         # one reduce-scatter input in flight (set_reduce_scatter_max_input_buffers): the compute
         # stream waits for the previous reduce-scatter and drops its input before allocating this one
         deps, released = [op for op, _ in in_flight], [label for _, label in in_flight]
@@ -154,17 +162,39 @@ class GradientReduction:
         self.reductions.append(last)
         return rs
 
-    def _accumulate(self, group: str, mb: int, frees: list[str]) -> None:
+    def accumulates_in_place(self, group: str) -> bool:
+        """Whether this backward's gradients of ``group`` go straight into the kept ones: they are
+        the unsharded parameters' own ``.grad`` (no cast to ``reduce_dtype``), to which autograd's
+        ``AccumulateGrad`` adds each new gradient in place as it is made (``variable_grad +=
+        new_grad``), the new tensor then dropped: no buffer of this backward's gradients lives on."""
+        return group in self.accumulated and not self._casts()
+
+    def _casts(self) -> bool:
+        """Whether kept gradients are a copy cast to ``reduce_dtype`` (``to_accumulated_grad_if_needed``)."""
+        cfg = self.builder.cfg
+        return cfg.reduce_dtype != cfg.param_dtype
+
+    def _accumulate(self, group: str, mb: int, grads: list[str], frees: list[str], held: str | None) -> None:
         """``set_requires_gradient_sync(False)``: post-backward reshards and keeps the unsharded
-        gradients (``to_accumulated_grad_if_needed``: cast to ``reduce_dtype`` when it differs), and
-        later micro-batches add theirs into them; one reduction on the last micro-batch."""
+        gradients: cast to ``reduce_dtype`` where it differs (``to_accumulated_grad_if_needed``, a
+        copy; later micro-batches' gradients are added into it here,
+        ``accumulate_unsharded_grad_if_needed``), else the first micro-batch's ``grads`` themselves,
+        which later backwards add to in place (``accumulates_in_place``); one reduction on the last
+        micro-batch."""
         b, cfg = self.builder, self.builder.cfg
-        acc_bytes = cfg.reduce_bytes if cfg.reduce_dtype != cfg.param_dtype else cfg.param_bytes
-        nbytes = self.groups.sizes[group].grad_numel * acc_bytes
+        nbytes = self.groups.sizes[group].grad_numel * (
+            cfg.reduce_bytes if self._casts() else cfg.param_bytes
+        )
         allocs: tuple[Alloc, ...] = ()
+        if group not in self.accumulated and not self._casts():
+            assert set(frees) == set(grads), f"{group}: post-backward drops more than its gradients"
+            self.accumulated[group] = list(grads)  # kept as they are: nothing to copy
+            if held is not None:
+                self.kept_held[group] = held
+            return
         if group not in self.accumulated:
-            self.accumulated[group] = b.label("accumulated_grads", group, mb)
-            allocs = (Alloc(label=self.accumulated[group], category=Mem.GRADS, bytes=nbytes),)
+            self.accumulated[group] = [b.label("accumulated_grads", group, mb)]
+            allocs = (Alloc(label=self.accumulated[group][0], category=Mem.GRADS, bytes=nbytes),)
         b.compute(
             OpKind.COPY,
             f"accumulate grads {group}",
