@@ -114,6 +114,9 @@ class SegmentFigures:
     backward_launches: int = 0
     # of saved_bytes, what ops after the segment's block save (kept where that region is not checkpointed)
     saved_after_block_bytes: int = 0
+    # of saved_bytes, its first op's input saved as it is (``LayerOp.saved_input_bytes``): first
+    # in a checkpointed block, that tensor is the block's kept input, allocated once
+    block_input_saved_bytes: int = 0
     # op-level selective checkpointing: the outputs it keeps, and what it recomputes
     sac_kept_bytes: int = 0
     sac_recompute_s: float = 0.0
@@ -141,28 +144,37 @@ class SegmentFigures:
         """One byte figure's tensors (``sim.workload.layer_op.figure_tensors``)."""
         return figure_tensors(self, figure)
 
-    def backward_held(self, grad_bytes: int) -> tuple[int, tuple[int, ...]]:
+    def backward_held(self, grad_bytes: int, *, in_place: bool = False) -> tuple[int, tuple[int, ...]]:
         """The segment's backward transient with the gradients its ops make along the way:
         ``grad_bytes`` is what the system keeps of the segment's gradients once its backward is
         done, spread over its trainable elements; at the op where the transient and the later ops'
-        gradients together peak, their bytes and tensors. Without gradients (or steps), the
+        gradients together peak, their bytes and tensors. ``in_place``: the gradients are added
+        into kept ones as they are made (``AccumulateGrad`` on an existing ``.grad``), so each op
+        holds only its own new gradients, while it runs. Without gradients (or steps), the
         transient alone."""
         alone = (self.backward_transient_bytes, self.tensors("backward_transient"))
         if not grad_bytes or not self.grad_numel or not self.backward_steps:
             return alone
         per_element = grad_bytes / self.grad_numel
+        later = [sum(step.later_grad_numels) for step in self.backward_steps]
+        own = [before - after for before, after in zip([self.grad_numel, *later], later, strict=False)]
 
-        def held(step: BackwardStep) -> int:
-            return step.beyond_saved_bytes + sum(round(n * per_element) for n in step.later_grad_numels)
+        def grads_of(j: int) -> tuple[int, ...]:
+            if in_place:
+                return (round(own[j] * per_element),)
+            return tuple(round(n * per_element) for n in self.backward_steps[j].later_grad_numels)
 
-        best = max(self.backward_steps, key=held)
-        if held(best) <= alone[0]:
+        def held(j: int) -> int:
+            return self.backward_steps[j].beyond_saved_bytes + sum(grads_of(j))
+
+        at = max(range(len(self.backward_steps)), key=held)
+        best = self.backward_steps[at]
+        if held(at) <= alone[0]:
             return alone
-        grads = tuple(round(n * per_element) for n in best.later_grad_numels if n)
+        grads = tuple(n for n in grads_of(at) if n)
         if best.beyond_saved_bytes <= 0:  # the saves released by then make room for part of them
-            return held(best), _trimmed(grads, held(best))
-        own = best.pieces or (best.beyond_saved_bytes,)
-        return held(best), (*own, *grads)
+            return held(at), _trimmed(grads, held(at))
+        return held(at), (*(best.pieces or (best.beyond_saved_bytes,)), *grads)
 
 
 # the LayerOp fields ``ComputeCosts.figures`` reads as they are (``_cost_key`` adds block and params)
@@ -265,8 +277,15 @@ class ComputeCosts:
         forward_transient, forward_pieces = self._beyond_saved(seg, saved, "forward_transient", measured)
         trainable = [tuple(p.numel for p in op.params if p.trainable) for op in seg.ops]
         steps = self._backward_steps(seg, saved, trainable, measured)
-        peak_step = max(steps, key=lambda st: st.beyond_saved_bytes, default=None)
-        backward_transient = max(0, peak_step.beyond_saved_bytes) if peak_step else 0
+        peak_at = max(range(len(steps)), key=lambda j: steps[j].beyond_saved_bytes, default=None)
+        peak_step = steps[peak_at] if peak_at is not None else None
+        # a calibrated group's measured backward peak is its unit's, net of what its backward
+        # frees: the segment's net figure is scaled, not each op's before the frees
+        backward_transient = (
+            round(max(0, peak_step.beyond_saved_bytes) * self._scale(seg.ops[peak_at], "backward_transient"))
+            if peak_step is not None and peak_at is not None
+            else 0
+        )
         backward_pieces = peak_step.pieces if peak_step else ()
         checkpointed = _checkpointed_forward_op(seg.ops)
 
@@ -278,6 +297,7 @@ class ComputeCosts:
             saved_after_block_bytes=round(
                 sum(op.saved_after_block_bytes * self._scale(op, "saved") for op in seg.ops)
             ),
+            block_input_saved_bytes=round(seg.ops[0].saved_input_bytes * self._scale(seg.ops[0], "saved")),
             forward_transient_bytes=forward_transient,
             backward_transient_bytes=backward_transient,
             sac_kept_bytes=sum(op.sac_kept_bytes for op in seg.ops),
@@ -351,7 +371,7 @@ class ComputeCosts:
         steps, freed_after = [], freed_before + sum(freed_at)
         for j, op in enumerate(seg.ops):
             freed_after -= freed_at[j]
-            beyond = round(op.backward_transient_bytes * self._scale(op, "backward_transient") - freed_after)
+            beyond = round(op.backward_transient_bytes - freed_after)
             steps.append(
                 BackwardStep(
                     beyond_saved_bytes=beyond,

@@ -19,6 +19,7 @@ from sim.workload.layer_op import CalibrationGroup, LayerOp
 from sim.workload.model import ModelConfig
 from sim.workload.options import OptimizerName
 from sim.workload.shapes import Workload
+from sim.workload.units import Segment
 
 
 def _deepspeed_layer(compute: ComputeSection, stage: int | None) -> dict[str, float]:
@@ -57,8 +58,10 @@ def _group_scale(
         forward_transient=_ratio(
             measured.forward_transient_bytes, max(op.forward_transient_bytes for op in members)
         ),
+        # against the unit's analytic backward peak net of what its backward frees, as measured
         backward_transient=_ratio(
-            measured.backward_transient_bytes, max(op.backward_transient_bytes for op in members)
+            measured.backward_transient_bytes,
+            costs.figures(Segment(unit=members[0].module, ops=tuple(members))).backward_transient_bytes,
         ),
     )
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from sim.core.events import MemoryCategory, OpKind, RequestOrder
 from sim.core.program import Alloc, Program
+from sim.costs.compute import SegmentFigures
 from sim.schedule.activation_life import (
     attention_segment,
     cache_appends,
@@ -147,6 +148,9 @@ class ScheduleBuilder(OpEmitter):
         saved_bytes, transient_bytes = fig.saved_bytes, fig.forward_transient_bytes
         saved_pieces, transient_pieces = fig.tensors("saved"), fig.tensors("forward_transient")
         order = fig.forward_order
+        if self.checkpointed(i) and self.first_of_block(i) and fig.block_input_saved_bytes:
+            # its first op saves the block's kept input itself: no second copy while the block runs
+            saved_bytes, saved_pieces = self.less_block_input(fig, saved_bytes, saved_pieces)
         if (
             self.checkpointed(i)
             and fig.checkpointed_forward_bytes is not None
@@ -172,6 +176,20 @@ class ScheduleBuilder(OpEmitter):
         else:
             acts.saved[i] = saved
         return allocs, frees, transient_alloc
+
+    @staticmethod
+    def less_block_input(
+        fig: SegmentFigures, nbytes: int, pieces: tuple[int, ...]
+    ) -> tuple[int, tuple[int, ...]]:
+        """A checkpointed block's first segment's saved bytes and tensors less the block's input,
+        which its first op saves as it is (``SegmentFigures.block_input_saved_bytes``) and the
+        checkpoint keeps already: taken from the first tensor, the op's own."""
+        less = fig.block_input_saved_bytes
+        if pieces and pieces[0] >= less:
+            pieces = tuple(p for p in (pieces[0] - less, *pieces[1:]) if p > 0)
+        else:
+            pieces = ()
+        return nbytes - less, pieces
 
     def _kept_past_checkpoint(self, i: int, mb: int, acts: Activations) -> list[Alloc]:
         """What a checkpointed segment's forward keeps for backward all the same: the saves that
@@ -267,12 +285,16 @@ class ScheduleBuilder(OpEmitter):
             transient = self.label("recompute_temp", seg.unit, mb)
             acts.saved[i] = saved
             whole = recomputed_bytes == fig.saved_bytes  # op-level SAC recomputes part of it
+            pieces = fig.tensors("saved") if whole else ()
+            if whole and self.first_of_block(i) and fig.block_input_saved_bytes:
+                # what its first op saves of the block's input is the kept input: not made again
+                recomputed_bytes, pieces = self.less_block_input(fig, recomputed_bytes, pieces)
             saved_alloc, transient_alloc = self.saved_and_transient(
                 Alloc(
                     label=saved,
                     category=MemoryCategory.ACTIVATIONS,
                     bytes=recomputed_bytes,
-                    pieces=fig.tensors("saved") if whole else (),
+                    pieces=pieces,
                 ),
                 Alloc(
                     label=transient,
@@ -314,10 +336,13 @@ class ScheduleBuilder(OpEmitter):
         *,
         end_allocs: tuple[Alloc, ...],
         extra_frees: tuple[str, ...] = (),
+        in_place_grad_bytes: int = 0,
     ) -> int:
         """Segment ``i``'s backward: it frees the activations it consumes (and, first in its block,
         the block's kept input) and leaves ``end_allocs`` (its gradients) behind; while it runs it
-        holds its ops' transient and the gradients its later ops made (``backward_held``)."""
+        holds its ops' transient and the gradients its later ops made (``backward_held``).
+        ``in_place_grad_bytes``: gradients it adds into kept ones instead (accumulation into an
+        existing ``.grad``), each alive only while its op runs."""
         seg, fig = self.cfg.segments[i], self.cfg.figures[i]
         transient = self.label("backward_temp", seg.unit, mb)
         consumed = acts.saved[i]
@@ -332,8 +357,9 @@ class ScheduleBuilder(OpEmitter):
         frees += self._block_input_frees(i, acts)
         end_allocs = (*end_allocs, *self._kept_output_cache(i, mb, acts))
         # the gradients the segment's ops make before its last op's backward are alive beside it
+        kept = sum(a.bytes for a in end_allocs if a.category is MemoryCategory.GRADS)
         held_bytes, held_pieces = fig.backward_held(
-            sum(a.bytes for a in end_allocs if a.category is MemoryCategory.GRADS)
+            kept or in_place_grad_bytes, in_place=not kept and in_place_grad_bytes > 0
         )
         return self.compute(
             OpKind.BACKWARD,

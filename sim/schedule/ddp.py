@@ -93,13 +93,20 @@ class DdpScheduleBuilder(ScheduleBuilder):
                 self.recompute_block(seg.block, mb.index, mb)  # type: ignore[arg-type]
                 recomputed.add(seg.block)  # type: ignore[arg-type]
             grads: tuple[Alloc, ...] = ()
+            grad_bytes = sum(x.numel for x in seg.params if x.trainable) * cfg.master_bytes
             if mb.index == 0:  # param.grad, in fp32, from the first micro-batch on
                 label = self.label("grads", seg.unit, mb.index)
                 self.grad_labels.append(label)
-                numel = sum(x.numel for x in seg.params if x.trainable)
-                grads = (Alloc(label=label, category=Mem.GRADS, bytes=numel * cfg.master_bytes),)
+                grads = (Alloc(label=label, category=Mem.GRADS, bytes=grad_bytes),)
             casts = (mb.casts.pop(i),) if i in mb.casts else ()
-            op = self.backward_segment(i, mb.index, mb, end_allocs=grads, extra_frees=casts)
+            op = self.backward_segment(
+                i,
+                mb.index,
+                mb,
+                end_allocs=grads,
+                extra_frees=casts,
+                in_place_grad_bytes=0 if grads else grad_bytes,  # later ones: added to param.grad
+            )
             if cfg.sync_every_microbatch or mb.index == cfg.grad_accum - 1:
                 reductions += self._all_reduce_ready_buckets(i, op, mb.index)
         return reductions

@@ -333,11 +333,15 @@ class Fsdp2ScheduleBuilder(ScheduleBuilder):
             grad_bytes = sum(p.numel for p in cfg.gradient_params[i] if p.trainable) * cfg.param_bytes
             grads: tuple[Alloc, ...] = ()
             expert = is_expert_segment(seg, cfg.expert_modules)
+            group = seg.unit + EXPERTS if expert else seg.unit
             if grad_bytes or not cfg.finetuned:  # frozen parameters leave no gradient
-                grads = self._segment_grads(i, seg.unit + EXPERTS if expert else seg.unit, grad_bytes)
+                grads = self._segment_grads(i, group, grad_bytes)
+            in_place = grad_bytes if self.reduction.accumulates_in_place(group) else 0
             if expert:
                 self._all_to_all("combine backward", seg.unit, after=op)
-            op = self._consume(self.backward_segment(i, mb.index, mb, end_allocs=grads))
+            op = self._consume(
+                self.backward_segment(i, mb.index, mb, end_allocs=grads, in_place_grad_bytes=in_place)
+            )
             if expert:
                 self._all_to_all("dispatch backward", seg.unit, after=op)
             if i == self.layout.first_seg[seg.unit] and self.layout.needs_grad[seg.unit]:

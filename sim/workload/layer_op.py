@@ -64,6 +64,9 @@ class LayerOp:
     # of saved_bytes, those a later op's backward frees, as (ops ahead, bytes): a storage lives
     # until its first saver's backward (measured for described models); the rest its own frees
     saved_released_ahead: tuple[tuple[int, int], ...] = ()
+    # of saved_bytes, the op's input itself, saved as it is (an fp32 RMSNorm's ``to(float32)``
+    # returns its input): first in a checkpointed block, the block's kept input is that tensor
+    saved_input_bytes: int = 0
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
     # what its block holds during it when the block is checkpointed (measured for described

@@ -6,13 +6,17 @@ Activation bytes follow what HF ``LlamaForCausalLM`` saves for backward in eager
   normalized input cast back (a*h) that the weight multiply saves, the fp32 rsqrt (4), and its
   output (a*h), which the following projections save and release in their backward. Its own
   backward peaks at four fp32 tensors of the input's shape (16h), beside the residual's gradient
-  (a*h) in a block (``_norm_backward_bytes``), as ``hfmodel.trace`` measures HF's module.
+  (a*h) in a block (``_norm_backward_bytes``), as ``hfmodel.trace`` measures HF's module. In
+  fp32 the saved copy is the input itself: first in a checkpointed block, the block's kept input
+  (``LayerOp.saved_input_bytes``), which its recompute does not make again.
 - Rotary embedding: the cos and sin tables (seq * head_dim * a each), once per forward.
 - Attention: RoPE'd q and k, v and the output (a*(2*q_dim + 2*kv_dim)) plus the fp32 log-sum-exp
   (4*n_heads) with flash/memory-efficient kernels; the math path adds the fp32 softmax and its
   cast (n_heads*seq*(4 + a)) — Korthikanti et al. 2022, "Reducing Activation Recomputation", Sec. 4;
   a model's own eager attention what ``sim.workload.eager_attention`` lists, op by op.
-- SwiGLU MLP: gate output, SiLU output, up output and their product (4*a*ffn).
+- SwiGLU MLP: gate output, SiLU output, up output and their product (4*a*ffn); the product goes
+  with down_proj's backward, and the MLP's own backward peaks at three ffn-wide gradients beside
+  the residual's (``_mlp_act``); the head's backward holds the logits' gradient and its input's.
 - Loss: the fp32 log-softmax (4*vocab) and the shifted int64 labels. The logits are not saved;
   they live only while the loss is computed (a training loop that keeps ``outputs.logits``
   through backward holds a*vocab more per token).
@@ -92,6 +96,7 @@ def _norm(
             memory_bytes=float(2 * t * h * a),
             backward_memory_factor=1.5,
             saved_bytes=t * (2 * h * a + FP32_BYTES),
+            saved_input_bytes=t * h * a,  # x as it came in
             host_ops=FUSED_NORM_HOST_OPS + first_in_block,
             launches=(FUSED_NORM_LAUNCHES[where][0] + first_in_block, FUSED_NORM_LAUNCHES[where][1]),
             fused_kernel=True,
@@ -108,6 +113,7 @@ def _norm(
         # its output is saved by the projections after it (q, k, v; gate, up; the head), and
         # goes once the first of them (the next op) has run its backward, before this op's own
         saved_released_ahead=((1, t * h * a),),
+        saved_input_bytes=t * h * FP32_BYTES if a == FP32_BYTES else 0,
         backward_transient_bytes=_norm_backward_bytes(t * h, a, in_block=block is not None),
         host_ops=HOST_OPS["norm"],
         launches=LAUNCHES[where],
@@ -211,7 +217,12 @@ def _mlp_act(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         flops=0.0,
         memory_bytes=5.0 * t * f * a + _residual_add_bytes(cfg.hidden, w),
         saved_bytes=4 * t * f * a,
-        backward_transient_bytes=2 * t * f * a,
+        # the product is saved by down_proj, and goes once down_proj's backward has run
+        saved_released_ahead=((1, t * f * a),),
+        # its backward peaks as the product's gradient (down_proj's) makes the gradients of the
+        # SiLU output and of up's (three t x f tensors), beside the residual's gradient; SiLU's
+        # backward then makes gate's as the first is dropped (``hfmodel.trace``: HF's LlamaMLP)
+        backward_transient_bytes=3 * t * f * a + t * cfg.hidden * a,
         host_ops=HOST_OPS["mlp_act"],
         launches=LAUNCHES["mlp_act"],
     )
@@ -291,6 +302,8 @@ def llama_layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
             flops=head.flops,
             memory_bytes=0.0,
             saved_bytes=0,
+            # its backward holds the logits' gradient (activation dtype) while it makes its input's
+            backward_transient_bytes=w.tokens * (cfg.vocab + cfg.hidden) * w.act_bytes,
             gemm=head.gemm,
             host_ops=HOST_OPS["linear"],
             launches=LAUNCHES["linear"],
