@@ -59,6 +59,31 @@ def test_real_fsdp2_run_matches_the_simulation(
     assert result["measured_step_s"]["min"] <= step["measured"] <= result["measured_step_s"]["max"]
 
 
+@pytest.mark.parametrize(
+    ("strategy", "reductions"),
+    [("NO_SHARD", {"all_reduce": 1}), ("FULL_SHARD", {"reduce_scatter": 3})],
+    ids=["ddp", "fsdp2"],
+)
+def test_a_real_step_accumulating_without_sync_reduces_once(
+    tiny_fp32_profile: Path, strategy: str, reductions: dict[str, int]
+) -> None:
+    """Two micro-batches, ``training.sync_every_microbatch = false``: the real run reduces once per
+    step (DDP's ``no_sync`` holds the forward too, where DDP decides; before, it held only the
+    backward, and DDP all-reduced both micro-batches) and is measured (the tracker's module stats
+    reset after each backward; before, PyTorch's MemTracker refused the second forward)."""
+    result = validate_tiny(
+        tiny_fp32_profile,
+        f"parallel.strategy={strategy}",
+        "training.grad_accum=2",
+        "training.sync_every_microbatch=false",
+    )
+    assert result["collectives_match"], result["collectives"]
+    counts = {c["collective"]: c["measured_count"] for c in result["collectives"]}
+    assert {k: v for k, v in counts.items() if k in reductions} == reductions
+    peak = row(result, "peak memory")
+    assert abs(peak["error"]) <= 0.05, peak
+
+
 def test_validate_refuses_a_user_mistake_with_one_line(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "sim.cli.main", "validate", TINY, "--set", "parallel.wrap=layers"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -91,12 +91,16 @@ class Trainer:
         self.marks: list[tuple[str, float, float]] = []  # (phase, start, end) on the host clock
         for mb in range(self.scenario.training.grad_accum):
             ids, labels = (t.to(self.device) for t in _batch(self.scenario, self.rank, index * 100 + mb))
-            t0 = synced_now(self.device)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                loss, self.outputs = step_loss(self.model, ids, labels, self.scenario.training.keep_outputs)
-            t1 = synced_now(self.device)
             last = mb == self.scenario.training.grad_accum - 1
+            # DDP decides in its forward whether the backward reduces (``no_sync`` must hold the
+            # forward too); FSDP2's flag is read in backward
             with self._gradient_sync(last):
+                t0 = synced_now(self.device)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                    loss, self.outputs = step_loss(
+                        self.model, ids, labels, self.scenario.training.keep_outputs
+                    )
+                t1 = synced_now(self.device)
                 loss.backward()
             if last:
                 self._clip_grad_norm()
@@ -167,8 +171,14 @@ def _peak_memory(trainer: Any, index: int) -> dict[str, int]:
     cuda = trainer.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(trainer.device)
-    with tracking_holds_no_gradients(), tracker:  # the step's memory, not the tracker's
-        trainer.step(index)
+    # a second micro-batch's forward runs the modules again: the tracker's per-module stats are
+    # reset after each backward (as in fake mode), its step-wide peak kept
+    trainer.after_microbatch = tracker.reset_mod_stats
+    try:
+        with tracking_holds_no_gradients(), tracker:  # the step's memory, not the tracker's
+            trainer.step(index)
+    finally:
+        del trainer.after_microbatch
     snapshot = tracker.get_tracker_snapshot("peak").get(trainer.device) or next(
         iter(tracker.get_tracker_snapshot("peak").values())
     )
