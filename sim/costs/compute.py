@@ -277,16 +277,15 @@ class ComputeCosts:
         forward_transient, forward_pieces = self._beyond_saved(seg, saved, "forward_transient", measured)
         trainable = [tuple(p.numel for p in op.params if p.trainable) for op in seg.ops]
         steps = self._backward_steps(seg, saved, trainable, measured)
-        peak_at = max(range(len(steps)), key=lambda j: steps[j].beyond_saved_bytes, default=None)
-        peak_step = steps[peak_at] if peak_at is not None else None
-        # a calibrated group's measured backward peak is its unit's, net of what its backward
-        # frees: the segment's net figure is scaled, not each op's before the frees
-        backward_transient = (
-            round(max(0, peak_step.beyond_saved_bytes) * self._scale(seg.ops[peak_at], "backward_transient"))
-            if peak_step is not None and peak_at is not None
-            else 0
-        )
-        backward_pieces = peak_step.pieces if peak_step else ()
+        backward_transient = 0
+        backward_pieces: tuple[int, ...] = ()
+        if steps:
+            at = max(range(len(steps)), key=lambda j: steps[j].beyond_saved_bytes)
+            # a calibrated group's measured backward peak is its unit's, net of what its backward
+            # frees: the segment's net figure is scaled, not each op's before the frees
+            scale = self._scale(seg.ops[at], "backward_transient")
+            backward_transient = round(max(0, steps[at].beyond_saved_bytes) * scale)
+            backward_pieces = steps[at].pieces
         checkpointed = _checkpointed_forward_op(seg.ops)
 
         return SegmentFigures(

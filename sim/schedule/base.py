@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 
 from sim.core.events import MemoryCategory, OpKind, RequestOrder
 from sim.core.program import Alloc, Program
-from sim.costs.compute import SegmentFigures
 from sim.schedule.activation_life import (
     attention_segment,
     cache_appends,
@@ -148,9 +147,8 @@ class ScheduleBuilder(OpEmitter):
         saved_bytes, transient_bytes = fig.saved_bytes, fig.forward_transient_bytes
         saved_pieces, transient_pieces = fig.tensors("saved"), fig.tensors("forward_transient")
         order = fig.forward_order
-        if self.checkpointed(i) and self.first_of_block(i) and fig.block_input_saved_bytes:
-            # its first op saves the block's kept input itself: no second copy while the block runs
-            saved_bytes, saved_pieces = self.less_block_input(fig, saved_bytes, saved_pieces)
+        if self.checkpointed(i):  # no second copy of the block's kept input while the block runs
+            saved_bytes, saved_pieces = self._less_block_input(i, saved_bytes, saved_pieces)
         if (
             self.checkpointed(i)
             and fig.checkpointed_forward_bytes is not None
@@ -177,14 +175,13 @@ class ScheduleBuilder(OpEmitter):
             acts.saved[i] = saved
         return allocs, frees, transient_alloc
 
-    @staticmethod
-    def less_block_input(
-        fig: SegmentFigures, nbytes: int, pieces: tuple[int, ...]
-    ) -> tuple[int, tuple[int, ...]]:
-        """A checkpointed block's first segment's saved bytes and tensors less the block's input,
-        which its first op saves as it is (``SegmentFigures.block_input_saved_bytes``) and the
-        checkpoint keeps already: taken from the first tensor, the op's own."""
-        less = fig.block_input_saved_bytes
+    def _less_block_input(self, i: int, nbytes: int, pieces: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+        """Checkpointed segment ``i``'s saved bytes and tensors, less, first in its block, the
+        block's input, which its first op saves as it is (``SegmentFigures.block_input_saved_bytes``)
+        and the checkpoint keeps already: taken from the first tensor, the op's own."""
+        less = self.cfg.figures[i].block_input_saved_bytes
+        if not less or not self.first_of_block(i):
+            return nbytes, pieces
         if pieces and pieces[0] >= less:
             pieces = tuple(p for p in (pieces[0] - less, *pieces[1:]) if p > 0)
         else:
@@ -286,9 +283,8 @@ class ScheduleBuilder(OpEmitter):
             acts.saved[i] = saved
             whole = recomputed_bytes == fig.saved_bytes  # op-level SAC recomputes part of it
             pieces = fig.tensors("saved") if whole else ()
-            if whole and self.first_of_block(i) and fig.block_input_saved_bytes:
-                # what its first op saves of the block's input is the kept input: not made again
-                recomputed_bytes, pieces = self.less_block_input(fig, recomputed_bytes, pieces)
+            if whole:  # what its first op saves of the block's input is the kept input: not made again
+                recomputed_bytes, pieces = self._less_block_input(i, recomputed_bytes, pieces)
             saved_alloc, transient_alloc = self.saved_and_transient(
                 Alloc(
                     label=saved,

@@ -182,16 +182,16 @@ class GradientReduction:
         which later backwards add to in place (``accumulates_in_place``); one reduction on the last
         micro-batch."""
         b, cfg = self.builder, self.builder.cfg
-        nbytes = self.groups.sizes[group].grad_numel * (
-            cfg.reduce_bytes if self._casts() else cfg.param_bytes
-        )
-        allocs: tuple[Alloc, ...] = ()
         if group not in self.accumulated and not self._casts():
             assert set(frees) == set(grads), f"{group}: post-backward drops more than its gradients"
             self.accumulated[group] = list(grads)  # kept as they are: nothing to copy
             if held is not None:
                 self.kept_held[group] = held
             return
+        nbytes = self.groups.sizes[group].grad_numel * (
+            cfg.reduce_bytes if self._casts() else cfg.param_bytes
+        )
+        allocs: tuple[Alloc, ...] = ()
         if group not in self.accumulated:
             self.accumulated[group] = [b.label("accumulated_grads", group, mb)]
             allocs = (Alloc(label=self.accumulated[group][0], category=Mem.GRADS, bytes=nbytes),)
