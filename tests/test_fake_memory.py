@@ -25,7 +25,7 @@ from sim.workload.model import param_specs
 from validation.fake_memory import measure_fake_memory
 from validation.fake_memory_child import measure_fake_memory_subprocess
 from validation.fake_mode_patches import one_sequence_per_row
-from validation.peak_tracker import CATEGORIES
+from validation.tracker_categories import CATEGORIES
 
 pytestmark = pytest.mark.slow  # real torch.distributed processes
 

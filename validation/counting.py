@@ -61,11 +61,16 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def counting_allreduce_hook(counts: dict[str, dict[str, int]]):
-    """A DDP comm hook that counts each bucket's all-reduce, then runs DDP's default one."""
+def counting_allreduce_hook(counts: dict[str, dict[str, int]], buffers: dict[int, torch.Tensor]):
+    """A DDP comm hook that counts each bucket's all-reduce, then runs DDP's default one. It also
+    keeps each bucket's flat buffer by index in ``buffers`` (the reducer allocates them in C++, where
+    no tracker sees them): the last backward's buckets, bucket 0 being reduced first."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     def hook(state, bucket):
+        if bucket.index() == 0:  # a new backward: forget buckets DDP's rebuild may have dropped
+            buffers.clear()
+        buffers[bucket.index()] = bucket.buffer()
         entry = counts.setdefault("all_reduce", {"count": 0, "bytes": 0})
         entry["count"] += 1
         entry["bytes"] += _nbytes(bucket.buffer())

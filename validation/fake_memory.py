@@ -52,8 +52,9 @@ from validation.fake_mode_patches import (
     post_forward_meshes_outside_fake_mode,
 )
 from validation.kernel_recorder import KernelRecorder, attention_kernel
-from validation.peak_tracker import categories, peak_tracker_class, tracker_key_name
+from validation.peak_tracker import peak_tracker_class
 from validation.step_memory import AllocationLog
+from validation.tracker_categories import categories, optimizer_state_bytes, tracker_key_name
 from validation.tracker_hooks import tracking_holds_no_gradients
 from validation.worker import Trainer, _mesh
 
@@ -152,6 +153,7 @@ def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dic
     from hfmodel.finetune import quant_state_bytes
 
     tracker = peak_tracker_class()(trainer.model, trainer.optimizer, detail=detail)
+    state_bytes = optimizer_state_bytes(trainer.optimizer)
     # FSDPMemTracker refuses a module's second forward in one tracked step; its module
     # statistics are reset between micro-batches (the peak is kept)
     trainer.after_microbatch = tracker.reset_mod_stats  # type: ignore[method-assign]
@@ -163,7 +165,7 @@ def _fsdp2_step(trainer: FakeTrainer, detail: bool) -> tuple[dict[str, Any], dic
     if quant:
         raw["Quant State"] = quant
         raw["Total"] = raw.get("Total", 0) + quant
-    return {"total": raw.get("Total", 0), **categories(raw), "raw": raw}, tracker.peak_where
+    return {"total": raw.get("Total", 0), **categories(raw, state_bytes), "raw": raw}, tracker.peak_where
 
 
 def _fsdp1_step(trainer: FakeTrainer, log: AllocationLog | None = None) -> dict[str, Any]:

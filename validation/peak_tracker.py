@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
-from validation.worker import TRACKER_CATEGORIES
+from validation.tracker_categories import tracker_key_name
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
 PEAK_TOP = 10  # storage sizes listed per category in ``peak_detail``
 
 
@@ -72,18 +71,3 @@ def peak_tracker_class() -> type:
             return out
 
     return PeakTracker
-
-
-def tracker_key_name(key: Any) -> str:
-    """A tracker snapshot key as text."""
-    return str(getattr(key, "value", key))  # tracker keys are str enums (_FSDPRefType) and "Total"
-
-
-def categories(snapshot: dict[str, int]) -> dict[str, int]:
-    """A tracker snapshot in the simulator's categories (``validation.worker.TRACKER_CATEGORIES``)."""
-    out = dict.fromkeys(CATEGORIES, 0)
-    for name, value in snapshot.items():
-        if name != "Total":
-            key = TRACKER_CATEGORIES.get(name, "other")
-            out[key] = out.get(key, 0) + int(value)
-    return out

@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "other")
+from validation.tracker_categories import CATEGORIES
 
 
 class AllocationLog:

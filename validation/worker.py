@@ -30,25 +30,7 @@ from sim.workload.options import Strategy
 from validation.build import batch as _batch
 from validation.build import build_optimizer, build_scenario_model, step_loss, wrap
 from validation.counting import CollectiveCounter, counting_allreduce_hook
-
-# FSDPMemTracker categories -> the simulator's
-TRACKER_CATEGORIES = {
-    "Sharded Param": "params",
-    "Unsharded Param": "params",
-    "Buffer": "params",
-    "Parameter": "params",
-    "Sharded Grad": "grads",
-    "Unsharded Grad": "grads",
-    "Gradient": "grads",
-    "OptState": "optimizer",
-    "Optstate": "optimizer",
-    "Activation": "activations",
-    "Inputs": "activations",
-    "All Gather": "comm_buffers",
-    "Reduce Scatter": "comm_buffers",
-    "Temp": "other",
-    "Quant State": "params",  # QLoRA's, added by validation.fake_memory (the tracker does not see it)
-}
+from validation.tracker_categories import categories, optimizer_state_bytes
 
 
 def _mesh(scenario: Scenario, device_type: str = "cpu"):
@@ -78,8 +60,10 @@ class Trainer:
         self.wrapped = wrap(model, scenario, mesh)
         self.model = self.wrapped.model
         self.ddp_counts: dict[str, dict[str, int]] = {}
+        self.ddp_buckets: dict[int, torch.Tensor] = {}  # DDP's bucket buffers, by index
         if not self.wrapped.is_fsdp:
-            self.model.register_comm_hook(None, counting_allreduce_hook(self.ddp_counts))  # type: ignore[operator]
+            hook = counting_allreduce_hook(self.ddp_counts, self.ddp_buckets)
+            self.model.register_comm_hook(None, hook)  # type: ignore[operator]
         self.optimizer = build_optimizer(self.model.parameters(), scenario)
         self.autocast = (
             not self.wrapped.is_fsdp and scenario.param_dtype != "fp32"
@@ -167,7 +151,13 @@ def _peak_memory(trainer: Any, index: int) -> dict[str, int]:
         tracker: Any = FSDPMemTracker(trainer.model, trainer.optimizer)
     else:
         tracker = MemTracker()
-        tracker.track_external(trainer.model, trainer.optimizer)
+        # DDP's reducer allocates its bucket buffers in C++ at construction, where no tracker sees
+        # them; they stay resident. Told of them (the hook kept them in the backwards before), the
+        # tracker counts them from the start as "Other"; untold, it met each at its first
+        # ``copy_`` and counted it from there as "Temp" (the 5m model's optimizer-step peak had
+        # every bucket twice once their sizes were added on top)
+        tracker.track_external(trainer.model, trainer.optimizer, *trainer.ddp_buckets.values())
+    state_bytes = optimizer_state_bytes(trainer.optimizer)
     cuda = trainer.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(trainer.device)
@@ -182,21 +172,17 @@ def _peak_memory(trainer: Any, index: int) -> dict[str, int]:
     snapshot = tracker.get_tracker_snapshot("peak").get(trainer.device) or next(
         iter(tracker.get_tracker_snapshot("peak").values())
     )
-    out = {"total": int(snapshot.get("Total", 0))}
-    for name, value in snapshot.items():
-        if name != "Total":
-            key = TRACKER_CATEGORIES.get(name, "other")
-            out[key] = out.get(key, 0) + int(value)
-    out["raw"] = {k: int(v) for k, v in snapshot.items()}  # type: ignore[assignment]
+    out: dict[str, Any] = {"total": int(snapshot.get("Total", 0)), **categories(snapshot, state_bytes)}
+    out["raw"] = {k: int(v) for k, v in snapshot.items()}
     if cuda:  # the allocator's own figures, beside the tracker's tensor-level ones
         out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(trainer.device)
         out["cuda_max_reserved"] = torch.cuda.max_memory_reserved(trainer.device)
-    if not trainer.wrapped.is_fsdp:
-        # DDP's reducer allocates its bucket buffers in C++ at construction, where no tracker sees
-        # them; they stay resident, so their size (from DDP's own logging data) adds to the peak
-        buckets = _ddp_bucket_bytes(trainer.model)
+    if not trainer.wrapped.is_fsdp:  # the only external tensors DDP's tracker was told of
+        buckets, logged = int(snapshot.get("Other", 0)), _ddp_bucket_bytes(trainer.model)
+        if buckets != logged:  # a bucket the hook did not keep would be counted from its first use
+            raise RuntimeError(f"the tracker holds {buckets} B of DDP buckets, DDP logs {logged} B")
+        out["other"] -= buckets
         out["comm_buffers"] = out.get("comm_buffers", 0) + buckets
-        out["total"] += buckets
     return out
 
 
