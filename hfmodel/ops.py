@@ -52,6 +52,25 @@ def _mark_saved_after_block(ops: list[OpRecord], blocks: list[str]) -> None:
         )
 
 
+def _mark_next_block_input(ops: list[OpRecord], blocks: list[str]) -> None:
+    """Of each op's saved bytes, the input of the region after its own as that region's first op
+    saves it (an fp32 RMSNorm's no-op upcast, a LayerNorm's input): the embedding's output, or a
+    block's output, which the next block, or the final norm, saves. The op keeps it for its own
+    region, and a checkpointed next block, which holds its input anyway, holds no second copy of it
+    (``sim.schedule.base``). The traced model holds one block of a stack, which the final norm
+    follows: it receives the block's output as the next block's first op would."""
+    after_first: int | None = None  # the first op of the region after the run of ops of one region
+    later: OpRecord | None = None  # the op after this one
+    for op in reversed(ops):
+        block = owner_block(op, blocks)
+        if later is not None and owner_block(later, blocks) != block:
+            after_first = later.index
+        later = op
+        op.next_block_input_bytes = sum(
+            nbytes for nbytes, savers in op.saved_by if after_first is not None and after_first in savers
+        )
+
+
 def _useful(op: OpRecord) -> bool:
     return bool(
         op.flops
@@ -97,6 +116,7 @@ def _entries(ops: list[OpRecord], calls: list[dict[str, Any]], direct_3d: set[st
                 "memory_bytes": op.memory_bytes,
                 "saved_bytes": op.saved_bytes,
                 "saved_after_block_bytes": op.saved_after_block_bytes,
+                "next_block_input_bytes": op.next_block_input_bytes,
                 "forward_transient_bytes": op.forward_transient_bytes,
                 "checkpointed_forward_bytes": op.checkpointed_forward_bytes,
                 "backward_transient_bytes": op.backward_transient_bytes,
@@ -187,6 +207,7 @@ def assemble_ops(
     representatives only; a stack's blocks are emitted, all of them, where its first traced
     block ran (ops between a stack's blocks, should a model have any, come after it)."""
     _mark_saved_after_block(ops, blocks)
+    _mark_next_block_input(ops, blocks)
     entries = _entries(ops, calls, set(meta["direct_3d"]))
     for e in entries:
         e["block"] = _block_of(e["module"], blocks)

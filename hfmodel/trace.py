@@ -80,6 +80,7 @@ class OpRecord:
     saved_bytes: int = 0
     saved_by: list[tuple[int, frozenset[int]]] = field(default_factory=list)  # (bytes, saver ops)
     saved_after_block_bytes: int = 0  # of saved_bytes, what ops after its block save (hfmodel.ops)
+    next_block_input_bytes: int = 0  # of saved_bytes, the next block's input its first op saves
     forward_transient_bytes: int = 0
     backward_transient_bytes: int = 0
     host_ops: int = 0

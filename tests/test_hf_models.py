@@ -163,6 +163,29 @@ def test_what_ops_after_a_block_save_of_it_is_measured(dtype: str, kept: bool) -
     assert all(o.saved_after_block_bytes == 0 for o in ops if o.block is None)
 
 
+@pytest.mark.parametrize(
+    ("config", "dtype", "saved_as_is"),
+    [("tiny-llama", "fp32", True), ("tiny-llama", "bf16", False), ("tiny-gpt-neox", "bf16", True)],
+)
+def test_the_input_a_block_saves_as_it_is_is_measured_where_it_is_made(
+    config: str, dtype: str, saved_as_is: bool
+) -> None:
+    """The embedding's output and each block's output are the next region's input: an fp32
+    RMSNorm (its upcast a no-op) and a LayerNorm in any dtype save it as it is, a bf16 RMSNorm its
+    own fp32 copy. Counted at the op that made it (``next_block_input_bytes``): the embedding
+    lookup and each block's last op, tokens x hidden x the dtype's bytes; nothing else."""
+    described = _describe(DATA / f"{config}.json", dtype=dtype)
+    nbytes = 4 if dtype == "fp32" else 2
+    ops = layer_ops(
+        described, Workload(micro_batch=2, seq_len=32, act_bytes=nbytes, attention_kernel="flash")
+    )
+    tensor = 2 * 32 * described.hidden * nbytes if saved_as_is else 0
+    makers = [0] + [max(i for i, o in enumerate(ops) if o.block == b) for b in (0, 1)]
+    assert [ops[i].next_block_input_bytes for i in makers] == [tensor] * 3
+    assert "embed" in ops[0].name
+    assert all(o.next_block_input_bytes == 0 for i, o in enumerate(ops) if i not in makers)
+
+
 @pytest.mark.parametrize(("mode", "selective", "kept_blocks"), [("full", "op", [1]), ("selective", 2, [1])])
 def test_a_checkpointed_block_keeps_what_the_region_after_it_saves(
     tmp_path: Path, mode: str, selective: object, kept_blocks: list[int]

@@ -117,6 +117,9 @@ class SegmentFigures:
     # of saved_bytes, its first op's input saved as it is (``LayerOp.saved_input_bytes``): first
     # in a checkpointed block, that tensor is the block's kept input, allocated once
     block_input_saved_bytes: int = 0
+    # of saved_bytes, the next block's input (``LayerOp.next_block_input_bytes``): where the segment
+    # keeps its saves and that block is checkpointed, the block's kept input is that tensor
+    next_block_input_bytes: int = 0
     # op-level selective checkpointing: the outputs it keeps, and what it recomputes
     sac_kept_bytes: int = 0
     sac_recompute_s: float = 0.0
@@ -297,6 +300,9 @@ class ComputeCosts:
                 sum(op.saved_after_block_bytes * self._scale(op, "saved") for op in seg.ops)
             ),
             block_input_saved_bytes=round(seg.ops[0].saved_input_bytes * self._scale(seg.ops[0], "saved")),
+            next_block_input_bytes=round(
+                sum(op.next_block_input_bytes * self._scale(op, "saved") for op in seg.ops)
+            ),
             forward_transient_bytes=forward_transient,
             backward_transient_bytes=backward_transient,
             sac_kept_bytes=sum(op.sac_kept_bytes for op in seg.ops),

@@ -62,6 +62,23 @@ def next_region_checkpointed(cfg: StepConfig, i: int) -> bool:
     return after is not None and cfg.checkpoint.covers(after.block)
 
 
+def held_block_input_bytes(cfg: StepConfig, block: int) -> int:
+    """What the regions right before checkpointed ``block`` keep of its input among their own
+    saves (``SegmentFigures.next_block_input_bytes``: a described model's embedding output, or an
+    unchecked block's output, that the block's first op saves as it is): the checkpoint holds
+    that tensor already, not a second copy of it."""
+    segs = cfg.segments
+    first = next(j for j, s in enumerate(segs) if s.block == block)
+    region = segs[first - 1].block if first else None
+    if not first or (region is not None and cfg.checkpoint.covers(region)):
+        return 0  # nothing before it, or a checkpointed region, which keeps none of its saves
+    held, j = 0, first - 1
+    while j >= 0 and segs[j].block == region:
+        held += cfg.figures[j].next_block_input_bytes
+        j -= 1
+    return held
+
+
 def first_of_block(cfg: StepConfig, i: int) -> bool:
     """Whether segment ``i`` is its block's first (or the step's first segment)."""
     segs = cfg.segments

@@ -20,6 +20,7 @@ from sim.schedule.activation_life import (
     first_block_segment,
     first_of_block,
     float_masks_end,
+    held_block_input_bytes,
     next_region_checkpointed,
     previous_output,
 )
@@ -138,11 +139,12 @@ class ScheduleBuilder(OpEmitter):
         frees: list[str] = []
         block = seg.block
         if self.checkpointed(i) and block is not None and block not in acts.block_inputs:
-            kept = self.label("block_input", seg.unit, mb)
-            acts.block_inputs[block] = kept
-            allocs.append(
-                Alloc(label=kept, category=MemoryCategory.ACTIVATIONS, bytes=cfg.block_input_bytes[block])
-            )
+            # less what a region before it that keeps its saves holds of it already
+            kept_bytes = max(0, cfg.block_input_bytes[block] - held_block_input_bytes(cfg, block))
+            if kept_bytes:
+                kept = self.label("block_input", seg.unit, mb)
+                acts.block_inputs[block] = kept
+                allocs.append(Alloc(label=kept, category=MemoryCategory.ACTIVATIONS, bytes=kept_bytes))
         saved = self.label("activations", seg.unit, mb)
         saved_bytes, transient_bytes = fig.saved_bytes, fig.forward_transient_bytes
         saved_pieces, transient_pieces = fig.tensors("saved"), fig.tensors("forward_transient")
@@ -382,9 +384,9 @@ class ScheduleBuilder(OpEmitter):
         """What the first backward segment of a block releases: the block's kept input, and the
         K/V cache where this block's region is the one that lets it go."""
         block = self.cfg.segments[i].block
-        if block is None or block not in acts.block_inputs or not self.first_of_block(i):
+        if block is None or not self.checkpointed(i) or not self.first_of_block(i):
             return []
-        frees = [acts.block_inputs.pop(block)]
+        frees = [acts.block_inputs.pop(block)] if block in acts.block_inputs else []
         if block == cache_holder(self.cfg):
             frees += acts.kv_cache
             acts.kv_cache = []

@@ -218,6 +218,7 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, masks: 
         memory_bytes=op.memory_bytes,
         saved_bytes=op.saved_bytes,
         saved_after_block_bytes=op.saved_after_block_bytes,
+        next_block_input_bytes=op.next_block_input_bytes,
         saved_released_ahead=op.saved_released_ahead,
         forward_transient_bytes=op.forward_transient_bytes,
         backward_transient_bytes=op.backward_transient_bytes,

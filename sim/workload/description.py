@@ -36,8 +36,8 @@ from sim.workload.params import ParamSpec
 # tensors (``saved_pieces``, ``forward_transient_pieces``, ``checkpointed_forward_pieces``,
 # ``backward_transient_pieces``); 9: ops' ``saved_released_ahead``; 10: ops' ``forward_launches``
 # and ``backward_launches``; 11: ops' ``forward_requests``, ``checkpointed_forward_requests`` and
-# ``backward_requests``
-DESCRIPTION_VERSION = 11
+# ``backward_requests``; 12: ops' ``next_block_input_bytes``
+DESCRIPTION_VERSION = 12
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -79,6 +79,9 @@ class DescribedOp:
     backward_transient_bytes: int
     # of saved_bytes, what ops after its block save (a checkpointed block's output they keep)
     saved_after_block_bytes: int = 0
+    # of saved_bytes, the next block's input as that block's first op saves it (a checkpointed
+    # next block holds it as its input: no second copy)
+    next_block_input_bytes: int = 0
     # of saved_bytes, those a later op's backward frees (their first saver's): (ops ahead, bytes)
     saved_released_ahead: tuple[tuple[int, int], ...] = ()
     # a block op's: what its block's ops hold during it when the block is checkpointed (nothing
@@ -251,6 +254,7 @@ def _op(raw: Any, where: str) -> DescribedOp:
         memory_bytes=float(r.get("memory_bytes", (int, float))),
         saved_bytes=r.get("saved_bytes", int),
         saved_after_block_bytes=r.get("saved_after_block_bytes", int),
+        next_block_input_bytes=r.get("next_block_input_bytes", int),
         saved_released_ahead=_released_ahead(r, where),
         forward_transient_bytes=r.get("forward_transient_bytes", int),
         backward_transient_bytes=r.get("backward_transient_bytes", int),

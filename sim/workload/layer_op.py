@@ -61,6 +61,11 @@ class LayerOp:
     # of saved_bytes, what ops after its block save: a checkpointed block keeps these where the
     # region after it is not checkpointed (measured for described models; 0 for the analytic ones)
     saved_after_block_bytes: int = 0
+    # of saved_bytes, the next block's input as that block's first op saves it (an fp32 RMSNorm's
+    # no-op upcast, a LayerNorm's input; measured for described models, whose saves are counted
+    # at the op that made them; the analytic ones count it at its saver, ``saved_input_bytes``):
+    # where the next block is checkpointed it holds that tensor as its kept input
+    next_block_input_bytes: int = 0
     # of saved_bytes, those a later op's backward frees, as (ops ahead, bytes): a storage lives
     # until its first saver's backward (measured for described models); the rest its own frees
     saved_released_ahead: tuple[tuple[int, int], ...] = ()
