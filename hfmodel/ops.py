@@ -57,8 +57,9 @@ def _mark_next_block_input(ops: list[OpRecord], blocks: list[str]) -> None:
     saves it (an fp32 RMSNorm's no-op upcast, a LayerNorm's input): the embedding's output, or a
     block's output, which the next block, or the final norm, saves. The op keeps it for its own
     region, and a checkpointed next block, which holds its input anyway, holds no second copy of it
-    (``sim.schedule.base``). The traced model holds one block of a stack, which the final norm
-    follows: it receives the block's output as the next block's first op would."""
+    (``sim.schedule.base``). The traced model keeps one block of each kind
+    (``hfmodel.describe.representatives``): where the final norm follows one, it stands for the
+    next block's first op, receiving the block's output as that op would."""
     after_first: int | None = None  # the first op of the region after the run of ops of one region
     later: OpRecord | None = None  # the op after this one
     for op in reversed(ops):
