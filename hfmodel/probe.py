@@ -39,6 +39,10 @@ class AttentionCall:
     bias: bool = False  # an additive float bias (T5's relative position bias) masks the scores
     bias_grad: bool = False  # and it needs a gradient (learned; T5's cross-attention bias is zeros)
     softcap: bool = False  # the scores are tanh soft-capped (Gemma 2's attn_logit_softcapping)
+    # the query is not laid out as (batch, seq, heads, dim) in memory (GPT-NeoX's, concatenated
+    # after its partial rotary): a kernel whose output takes the query's layout makes one that
+    # transformers' ``transpose(1, 2).contiguous()`` copies (``sim.workload.described``)
+    query_not_bshd: bool = False
 
 
 class _Empty(torch.autograd.Function):
@@ -112,6 +116,7 @@ class ProbeRecorder:
                 bias=kwargs.get("position_bias") is not None,
                 bias_grad=bool(getattr(kwargs.get("position_bias"), "requires_grad", False)),
                 softcap=bool(kwargs.get("softcap")),
+                query_not_bshd=not _bshd(query),
             )
         )
         self.inputs.append(
@@ -150,6 +155,14 @@ class ProbeRecorder:
 
 
 ACTIVE: list[ProbeRecorder] = []
+
+
+def _bshd(t: torch.Tensor) -> bool:
+    """Whether a (batch, heads, seq, dim) tensor is laid out as (batch, seq, heads, dim) in memory,
+    read off its strides (no torch call: the tracer would count one as the model's host work)."""
+    b, h, s, d = t.shape
+    expected = (s * h * d, d, h * d, 1)
+    return all(n == 1 or stride == want for n, stride, want in zip((b, h, s, d), t.stride(), expected, strict=True))
 
 
 def _bias_mask(module: Any, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> Any:

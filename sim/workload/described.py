@@ -76,18 +76,33 @@ def _kernel_shape(a: AttentionCall, masks: int) -> AttentionShape:
     )
 
 
+# kernels whose output takes the query's layout (torch 2.13's meta registrations: flash's and the
+# CPU flash kernel's ``torch.empty_like(query)``, cuDNN's ``alloc_with_matching_layout(query, ...)``;
+# memory-efficient attention's is ``empty(B, M, heads, Kv).transpose(1, 2)`` whatever the query's)
+OUTPUT_AS_QUERY = frozenset({"flash", "cudnn"})
+
+
+def kernel_output_saved(a: AttentionCall, w: Workload) -> bool:
+    """Whether the kernel's saved output is a tensor of its own: the model's ops do not save it
+    (``output_counted``), or they save transformers' ``transpose(1, 2).contiguous()`` copy of it,
+    which copies where the kernel's output took a query not laid out as (batch, seq, heads, dim)
+    (measured: GPT-NeoX on the CPU's flash kernel, one tokens x hidden tensor per block)."""
+    return not a.output_counted or (a.query_not_bshd and w.attention_kernel in OUTPUT_AS_QUERY)
+
+
 def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> LayerOp:
     assert op.attention is not None
     a = op.attention
     shape = _kernel_shape(a, masks)
+    output_saved = kernel_output_saved(a, w)
     flops, saved, fwd, bwd = attention_kernel_figures(
-        shape, w, output_saved=not a.output_counted, model_backward_bytes=base.backward_transient_bytes
+        shape, w, output_saved=output_saved, model_backward_bytes=base.backward_transient_bytes
     )
-    qkv, own, out = attention_saved_pieces(shape, w, output_saved=not a.output_counted)
+    qkv, own, out = attention_saved_pieces(shape, w, output_saved=output_saved)
     # the kernel's own tensors before the probe's (its output), which the kernel makes last
-    kernel, kernel_checkpointed = attention_kernel_requests(shape, w, output_saved=not a.output_counted)
-    given = _given_bytes(shape, w, not a.output_counted)
-    kernel_backward = attention_kernel_backward_requests(shape, w, output_saved=not a.output_counted)
+    kernel, kernel_checkpointed = attention_kernel_requests(shape, w, output_saved=output_saved)
+    given = _given_bytes(shape, w, output_saved)
+    kernel_backward = attention_kernel_backward_requests(shape, w, output_saved=output_saved)
     # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)
     backward_flops = None if base.backward_flops is None else base.backward_flops + 2.0 * flops
     return LayerOp(

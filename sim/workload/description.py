@@ -36,8 +36,9 @@ from sim.workload.params import ParamSpec
 # tensors (``saved_pieces``, ``forward_transient_pieces``, ``checkpointed_forward_pieces``,
 # ``backward_transient_pieces``); 9: ops' ``saved_released_ahead``; 10: ops' ``forward_launches``
 # and ``backward_launches``; 11: ops' ``forward_requests``, ``checkpointed_forward_requests`` and
-# ``backward_requests``; 12: ops' ``next_block_input_bytes``
-DESCRIPTION_VERSION = 12
+# ``backward_requests``; 12: ops' ``next_block_input_bytes``; 13: attention calls'
+# ``query_not_bshd``
+DESCRIPTION_VERSION = 13
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -59,6 +60,7 @@ class AttentionCall:
     bias_grad: bool = False  # the bias needs a gradient (learned, not T5's zero cross-attention bias)
     softcap: bool = False  # the scores are tanh soft-capped (Gemma 2's ``attn_logit_softcapping``)
     output_counted: bool = True  # the model's ops already save the output (a projection keeps it)
+    query_not_bshd: bool = False  # the query is not (batch, seq, heads, dim) in memory (``hfmodel.probe``)
     extra_saved_bytes: int = 0  # saving q, k, v keeps the rest of the storages they view
     # what the model's backward holds as the kernel's backward starts: the output's gradient and
     # whatever else is alive then (the residual stream's gradient), parameter gradients excepted
@@ -241,6 +243,7 @@ def _op(raw: Any, where: str) -> DescribedOp:
             bias_grad=bool(att.get("bias_grad", False)),
             softcap=bool(att.get("softcap", False)),
             output_counted=a.get("output_counted", bool),
+            query_not_bshd=a.get("query_not_bshd", bool),
             extra_saved_bytes=a.get("extra_saved_bytes", int),
             backward_start_bytes=a.get("backward_start_bytes", int),
         )
