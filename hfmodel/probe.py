@@ -162,7 +162,9 @@ def _bshd(t: torch.Tensor) -> bool:
     read off its strides (no torch call: the tracer would count one as the model's host work)."""
     b, h, s, d = t.shape
     expected = (s * h * d, d, h * d, 1)
-    return all(n == 1 or stride == want for n, stride, want in zip((b, h, s, d), t.stride(), expected, strict=True))
+    return all(
+        n == 1 or stride == want for n, stride, want in zip((b, h, s, d), t.stride(), expected, strict=True)
+    )
 
 
 def _bias_mask(module: Any, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]) -> Any:
