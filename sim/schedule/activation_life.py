@@ -90,14 +90,16 @@ def first_block_segment(cfg: StepConfig) -> int | None:
     return next((j for j, s in enumerate(cfg.segments) if s.block is not None), None)
 
 
-def float_masks_end(cfg: StepConfig, i: int, *, backward: bool) -> bool:
-    """Whether HF's eager attention masks go at the end of segment ``i``'s forward (or, with
-    ``backward``, its backward). Without checkpointing they go when the decoder stack returns
-    (after its last block's forward); with it, every checkpoint region keeps them among the
-    inputs its recomputation is called with, so they go with the region held longest, as its
-    backward ends (measured with a weak reference on transformers 5.24's Llama, full and
-    every-2nd-block checkpointing)."""
-    segs, holder = cfg.segments, cfg.checkpoint.longest_held
+def float_mask_end(cfg: StepConfig, mask: int, i: int, *, backward: bool) -> bool:
+    """Whether HF's eager attention mask ``mask`` (of ``StepConfig.float_masks``) goes at the end
+    of segment ``i``'s forward (or, with ``backward``, its backward). Where no block given it is
+    checkpointed it goes when the decoder stack returns (after its last block's forward); else
+    each checkpoint region keeps the mask its blocks are given among the inputs its
+    recomputation is called with, so it goes with the first such region, whose backward ends last
+    (measured with a weak reference on transformers 5.24's Llama, full and every-2nd-block
+    checkpointing; Gemma 2 gives each layer its own type's mask)."""
+    segs = cfg.segments
+    holder = min((b for b in cfg.float_masks[mask].blocks if cfg.checkpoint.covers(b)), default=None)
     if backward:
         return holder is not None and segs[i].block == holder and first_of_block(cfg, i)
     return holder is None and i == max(j for j, s in enumerate(segs) if s.block is not None)

@@ -19,7 +19,7 @@ from sim.schedule.activation_life import (
     cache_holder,
     first_block_segment,
     first_of_block,
-    float_masks_end,
+    float_mask_end,
     held_block_input_bytes,
     next_region_checkpointed,
     previous_output,
@@ -41,7 +41,9 @@ class Activations:
     # block -> what of a checkpointed block's saves an unchecked region after it keeps
     kept_after_block: dict[int, list[str]] = field(default_factory=dict)
     kv_cache: list[str] = field(default_factory=list)  # model.use_cache: each block's cached K/V
-    float_masks: str | None = None  # the model's float attention masks, while they live
+    float_masks: dict[int, str] = field(
+        default_factory=dict
+    )  # each float attention mask's label, while it lives
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,23 +245,22 @@ class ScheduleBuilder(OpEmitter):
         return end_allocs, frees
 
     def _float_masks_made(self, i: int, mb: int, acts: Activations) -> list[Alloc]:
-        """HF's eager attention masks (``StepConfig.float_mask_bytes``), built by the decoder
-        stack before its first block: allocated as the first block's forward starts."""
-        if not self.cfg.float_mask_bytes or i != first_block_segment(self.cfg):
+        """HF's eager attention masks (``StepConfig.float_masks``), built by the decoder stack
+        before its first block: allocated as the first block's forward starts."""
+        if not self.cfg.float_masks or i != first_block_segment(self.cfg):
             return []
-        acts.float_masks = self.label("float_masks", ROOT, mb)
-        return [
-            Alloc(
-                label=acts.float_masks, category=MemoryCategory.ACTIVATIONS, bytes=self.cfg.float_mask_bytes
+        allocs = []
+        for k, mask in enumerate(self.cfg.float_masks):
+            acts.float_masks[k] = self.label("float_masks" if k == 0 else f"float_masks#{k}", ROOT, mb)
+            allocs.append(
+                Alloc(label=acts.float_masks[k], category=MemoryCategory.ACTIVATIONS, bytes=mask.bytes)
             )
-        ]
+        return allocs
 
     def _float_masks_dropped(self, i: int, acts: Activations, *, backward: bool) -> list[str]:
-        """The masks' free, at the end ``float_masks_end`` names."""
-        if acts.float_masks is None or not float_masks_end(self.cfg, i, backward=backward):
-            return []
-        label, acts.float_masks = acts.float_masks, None
-        return [label]
+        """The masks' frees, each at the end ``float_mask_end`` names."""
+        ending = [k for k in acts.float_masks if float_mask_end(self.cfg, k, i, backward=backward)]
+        return [acts.float_masks.pop(k) for k in ending]
 
     def recompute_block(self, block: int, mb: int, acts: Activations) -> None:
         """Checkpointing's second forward of ``block``, just before its backward: every segment's

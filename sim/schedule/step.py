@@ -12,6 +12,7 @@ from sim.costs.offload import HostCosts
 from sim.dtypes import dtype_bytes
 from sim.workload.checkpointing import CheckpointPlan
 from sim.workload.expert_parallel import expert_padded_numel
+from sim.workload.layers import FloatMask
 from sim.workload.options import (
     Fsdp1Options,
     Fsdp2Offload,
@@ -72,8 +73,8 @@ class StepConfig:
     # with ``.loss`` at the forward's end. A KV cache is then the output's, freed with it.
     kept_output_bytes: int = 0
     # the model's float attention masks (eager attention), built once per micro-batch before the
-    # first block (``sim.workload.layers.float_mask_bytes``); 0: none
-    float_mask_bytes: int = 0
+    # first block, each with the blocks given it (``sim.workload.layers.float_masks``); (): none
+    float_masks: tuple[FloatMask, ...] = ()
     buffer_bytes: int  # unsharded module buffers (RoPE inverse frequencies)
     collective_temp_buffers: bool
     ddp_bucket_bytes: int
@@ -106,6 +107,11 @@ class StepConfig:
     @property
     def master_bytes(self) -> int:
         return dtype_bytes(self.master_dtype)
+
+    @property
+    def float_mask_bytes(self) -> int:
+        """All of the float masks' bytes."""
+        return sum(m.bytes for m in self.float_masks)
 
     @property
     def host_costs(self) -> HostCosts:

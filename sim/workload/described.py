@@ -46,7 +46,7 @@ def float_mask_count(d: ModelDescription) -> int:
     """The additive float masks HF's eager path builds once per forward: one per causal pattern of
     the model's attention calls (``masking_utils``: ``create_causal_mask`` and, for sliding-window
     layers, ``create_sliding_window_causal_mask``; ``eager_mask`` never skips a causal one), each
-    alive until the decoder stack returns (``sim.workload.layers.float_mask_bytes``). A
+    alive until the decoder stack returns (``sim.workload.layers.float_masks``). A
     bidirectional call without padding needs none."""
     patterns = {
         (a.window, a.seq_len, a.kv_seq_len) for op in d.ops if (a := op.attention) is not None and a.causal

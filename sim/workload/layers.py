@@ -42,7 +42,7 @@ The loss's logits and Liger's fused linear cross-entropy: ``sim.workload.loss``.
 """
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import cache
 
 from sim.dtypes import FP32_BYTES, INDEX_BYTES
@@ -53,6 +53,14 @@ from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefi
 from sim.workload.op_counts import FUSED_NORM_HOST_OPS, FUSED_NORM_LAUNCHES, HOST_OPS, LAUNCHES
 from sim.workload.options import LossKernel, NormKernel
 from sim.workload.shapes import AttentionShape, Workload
+
+
+@dataclass(frozen=True, kw_only=True)
+class FloatMask:
+    """One of HF's eager float attention masks: its bytes and the blocks it is given to."""
+
+    bytes: int
+    blocks: frozenset[int]
 
 
 def _cast_bytes(a: int) -> int:
@@ -164,16 +172,24 @@ def _linear(spec: ParamSpec, w: Workload, block: int | None) -> LayerOp:
     )
 
 
-def float_mask_bytes(ops: Sequence[LayerOp], w: Workload) -> int:
+def float_masks(ops: Sequence[LayerOp], w: Workload) -> tuple[FloatMask, ...]:
     """The additive float masks HF's eager attention is given (``masking_utils``: one per causal
     pattern, each batch × 1 × queries × keys in the activation dtype), built once per forward
-    before the first decoder block; none for SDPA's kernels (a causal flag, no mask)."""
+    before the first decoder block, each with the blocks whose attention is given it (a pattern:
+    the call's window and lengths; Gemma 2's full and sliding-window layers, each layer given its
+    own type's mask, ``causal_mask_mapping[config.layer_types[i]]``); none for SDPA's kernels (a
+    causal flag, no mask)."""
     if w.attention_kernel != "eager":
-        return 0
-    return max(
-        (a.float_masks * a.batch * a.seq_len * a.kv_len * w.act_bytes for op in ops if (a := op.attention)),
-        default=0,
-    )
+        return ()
+    patterns: dict[tuple[int | None, int, int], tuple[int, set[int]]] = {}
+    for op in ops:
+        a = op.attention
+        if a is None or not a.float_masks or op.block is None:
+            continue
+        key = (a.window, a.seq_len, a.kv_len)
+        nbytes, blocks = patterns.setdefault(key, (a.batch * a.seq_len * a.kv_len * w.act_bytes, set()))
+        blocks.add(op.block)
+    return tuple(FloatMask(bytes=n, blocks=frozenset(b)) for n, b in patterns.values())
 
 
 def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:

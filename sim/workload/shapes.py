@@ -45,7 +45,7 @@ class AttentionShape:
     softcap: bool = False  # tanh soft-capping of the scores (Gemma 2's ``attn_logit_softcapping``)
     # the model's additive float masks (eager attention: one per pattern, full and sliding,
     # batch × queries × keys in the activation dtype; fused kernels take none): their bytes are
-    # the schedule's (``float_mask_bytes``), alive from the first block to the stack's end
+    # the schedule's (``float_masks``), alive from the first block to the stack's end
     float_masks: int = 0
     # what the model's backward holds as the kernel's backward starts, its output's gradient
     # among it (measured for a described model's call); None: the kernel alone (the hand-written
