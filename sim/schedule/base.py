@@ -41,9 +41,9 @@ class Activations:
     # block -> what of a checkpointed block's saves an unchecked region after it keeps
     kept_after_block: dict[int, list[str]] = field(default_factory=dict)
     kv_cache: list[str] = field(default_factory=list)  # model.use_cache: each block's cached K/V
-    float_masks: dict[int, str] = field(
-        default_factory=dict
-    )  # each float attention mask's label, while it lives
+    # each of the model's float attention masks (by its place in ``StepConfig.float_masks``): its
+    # label, while it lives
+    float_masks: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,13 +27,6 @@ class CheckpointPlan:
     def covers(self, block: int | None) -> bool:
         return block is not None and block in self.blocks
 
-    @property
-    def longest_held(self) -> int | None:
-        """The region whose inputs live longest: non-reentrant checkpointing keeps a region's
-        inputs (what its recomputation is called with) until the region's backward, and the
-        first region's backward comes last. None without checkpointing."""
-        return min(self.blocks) if self.blocks else None
-
 
 def checkpoint_plan(mode: CheckpointMode, selective: str | int, n_layers: int) -> CheckpointPlan:
     if mode is CheckpointMode.NONE:

@@ -184,7 +184,7 @@ def float_masks(ops: Sequence[LayerOp], w: Workload) -> tuple[FloatMask, ...]:
     patterns: dict[tuple[int | None, int, int], tuple[int, set[int]]] = {}
     for op in ops:
         a = op.attention
-        if a is None or not a.float_masks or op.block is None:
+        if a is None or not a.float_masks or not a.causal or op.block is None:
             continue
         key = (a.window, a.seq_len, a.kv_len)
         nbytes, blocks = patterns.setdefault(key, (a.batch * a.seq_len * a.kv_len * w.act_bytes, set()))
