@@ -16,6 +16,7 @@ from sim.workload.attention_kernel import attention_kernel_figures
 from sim.workload.checkpointing import block_input_bytes
 from sim.workload.description import parse_description
 from sim.workload.forward import layer_ops
+from sim.workload.layers import float_masks
 from sim.workload.model import ModelConfig
 from sim.workload.options import WrapPolicy
 from sim.workload.shapes import AttentionShape, Workload
@@ -203,3 +204,12 @@ def test_t5_memory_matches_real_fsdp2_in_fake_mode(tmp_path: Path) -> None:
     peak = next(r for r in comparison.rows if r.metric == "peak memory")
     assert abs(peak.predicted / peak.measured - 1) < 0.01
     assert measured["kernels"]["attention_kernel"] == "math"  # the float bias: SDPA's math path on a CPU
+
+
+def test_eager_builds_a_float_mask_for_the_decoders_causal_calls_alone(t5: ModelConfig) -> None:
+    """The encoder's and the cross-attention's calls are bidirectional and unpadded: no mask. The
+    decoder's self-attention is causal: one batch × 1 × T × T mask in bf16, given to both decoder
+    blocks (3 and 4)."""
+    w = _workload("eager")
+    masks = float_masks(layer_ops(t5, w), w)
+    assert [(m.bytes, sorted(m.blocks)) for m in masks] == [(B * T * T * A, [3, 4])]

@@ -42,21 +42,8 @@ def _check_workload(d: ModelDescription, w: Workload) -> None:
         )
 
 
-def float_mask_count(d: ModelDescription) -> int:
-    """The additive float masks HF's eager path builds once per forward: one per causal pattern of
-    the model's attention calls (``masking_utils``: ``create_causal_mask`` and, for sliding-window
-    layers, ``create_sliding_window_causal_mask``; ``eager_mask`` never skips a causal one), each
-    alive until the decoder stack returns (``sim.workload.layers.float_masks``). A
-    bidirectional call without padding needs none."""
-    patterns = {
-        (a.window, a.seq_len, a.kv_seq_len) for op in d.ops if (a := op.attention) is not None and a.causal
-    }
-    return len(patterns)
-
-
-def _kernel_shape(a: AttentionCall, masks: int) -> AttentionShape:
-    """The attention call the tracer recorded, as the kernel model's shape (``float_masks``: the
-    float masks alive beside it)."""
+def _kernel_shape(a: AttentionCall) -> AttentionShape:
+    """The attention call the tracer recorded, as the kernel model's shape."""
     return AttentionShape(
         batch=a.batch,
         seq_len=a.seq_len,
@@ -71,7 +58,6 @@ def _kernel_shape(a: AttentionCall, masks: int) -> AttentionShape:
         bias=a.bias,
         bias_grad=a.bias_grad,
         softcap=a.softcap,
-        float_masks=masks,
         backward_start_bytes=a.backward_start_bytes,
     )
 
@@ -90,10 +76,10 @@ def kernel_output_saved(a: AttentionCall, w: Workload) -> bool:
     return not a.output_counted or (a.query_not_bshd and w.attention_kernel in OUTPUT_AS_QUERY)
 
 
-def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, masks: int) -> LayerOp:
+def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
     assert op.attention is not None
     a = op.attention
-    shape = _kernel_shape(a, masks)
+    shape = _kernel_shape(a)
     output_saved = kernel_output_saved(a, w)
     flops, saved, fwd, bwd = attention_kernel_figures(
         shape, w, output_saved=output_saved, model_backward_bytes=base.backward_transient_bytes
@@ -221,7 +207,7 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
     )
 
 
-def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, masks: int) -> LayerOp:
+def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload) -> LayerOp:
     single = len(op.gemms) == 1 and op.gemms[0][3] == 1
     base = LayerOp(
         name=op.name,
@@ -254,7 +240,7 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, masks: 
         backward_memory_bytes=op.backward_memory_bytes,
         reuses=op.reuses,
     )
-    return _attention_op(op, base, w, masks) if op.attention is not None else base
+    return _attention_op(op, base, w) if op.attention is not None else base
 
 
 def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
@@ -275,8 +261,7 @@ def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
 def described_layer_ops(d: ModelDescription, w: Workload) -> tuple[LayerOp, ...]:
     _check_workload(d, w)
     specs = {s.name: s for s in d.params}
-    masks = float_mask_count(d)
-    ops = [_layer_op(op, specs, w, masks) for op in d.ops]
+    ops = [_layer_op(op, specs, w) for op in d.ops]
     if d.finetune is not None and d.finetune.quantized:
         ops = [_dequantized(op, d.finetune, w) for op in ops]
     return tuple(_with_sac(ops, w))

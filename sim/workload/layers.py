@@ -177,14 +177,15 @@ def float_masks(ops: Sequence[LayerOp], w: Workload) -> tuple[FloatMask, ...]:
     pattern, each batch × 1 × queries × keys in the activation dtype), built once per forward
     before the first decoder block, each with the blocks whose attention is given it (a pattern:
     the call's window and lengths; Gemma 2's full and sliding-window layers, each layer given its
-    own type's mask, ``causal_mask_mapping[config.layer_types[i]]``); none for SDPA's kernels (a
-    causal flag, no mask)."""
+    own type's mask, ``causal_mask_mapping[config.layer_types[i]]``; ``create_causal_mask`` and
+    ``create_sliding_window_causal_mask``, and ``eager_mask`` never skips a causal one); none for
+    a bidirectional call without padding, nor for SDPA's kernels (a causal flag, no mask)."""
     if w.attention_kernel != "eager":
         return ()
     patterns: dict[tuple[int | None, int, int], tuple[int, set[int]]] = {}
     for op in ops:
         a = op.attention
-        if a is None or not a.float_masks or not a.causal or op.block is None:
+        if a is None or not a.causal or op.block is None:
             continue
         key = (a.window, a.seq_len, a.kv_len)
         nbytes, blocks = patterns.setdefault(key, (a.batch * a.seq_len * a.kv_len * w.act_bytes, set()))
@@ -201,7 +202,6 @@ def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         heads=cfg.n_heads,
         kv_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim,
-        float_masks=1,  # HF's eager path builds one causal mask (SDPA's and flash's take none)
     )
     flops, saved, fwd_transient, bwd_transient = attention_kernel_figures(shape, w)
     return LayerOp(

@@ -43,10 +43,6 @@ class AttentionShape:
     bias: bool = False  # an additive float bias masks the scores (T5's relative position bias)
     bias_grad: bool = False  # the bias is learned: its gradient flows back (not T5's cross-attention)
     softcap: bool = False  # tanh soft-capping of the scores (Gemma 2's ``attn_logit_softcapping``)
-    # the model's additive float masks (eager attention: one per pattern, full and sliding,
-    # batch × queries × keys in the activation dtype; fused kernels take none): their bytes are
-    # the schedule's (``float_masks``), alive from the first block to the stack's end
-    float_masks: int = 0
     # what the model's backward holds as the kernel's backward starts, its output's gradient
     # among it (measured for a described model's call); None: the kernel alone (the hand-written
     # ops count no gradients passed between ops)
