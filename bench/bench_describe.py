@@ -3,7 +3,9 @@ transformers' model machinery (``sim/childproc.py``), each next one only its own
 
 Describes tiny-llama (tests/data/hf) at four sequence lengths into an empty cache and prints each
 extraction's wall time, then the same four in fresh interpreters (``python -m hfmodel describe``,
-as every extraction ran before the server) for the ratio.
+as every extraction ran before the server) for the ratio. Then its LoRA at the same four: a
+fine-tuned description's request names PEFT among the server's imports (``sim.scenario.hf_model``),
+so that only the first pays PEFT's import too.
 """
 
 import os
@@ -18,7 +20,10 @@ CONFIG = ROOT / "tests" / "data" / "hf" / "tiny-llama.json"
 SEQ_LENS = (32, 64, 128, 256)
 
 
-def _served(cache: str) -> list[float]:
+LORA = {"method": "lora", "rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+def _served(cache: str, finetune: dict[str, object] | None = None) -> list[float]:
     from sim.scenario.hf_model import describe_config
 
     os.environ["FSDPSIM_CACHE_DIR"] = cache
@@ -26,7 +31,13 @@ def _served(cache: str) -> list[float]:
     for seq_len in SEQ_LENS:
         start = time.perf_counter()
         describe_config(
-            CONFIG, name="tiny-llama", micro_batch=2, seq_len=seq_len, dtype="bf16", where="bench"
+            CONFIG,
+            name="tiny-llama",
+            micro_batch=2,
+            seq_len=seq_len,
+            dtype="bf16",
+            where="bench",
+            finetune=finetune,
         )
         times.append(time.perf_counter() - start)
     return times
@@ -49,12 +60,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fsdpsim-bench-describe-") as tmp:
         served = _served(str(Path(tmp) / "cache"))
         fresh = _fresh(Path(tmp))
+        lora = _served(str(Path(tmp) / "cache"), LORA)
     for seq_len, a, b in zip(SEQ_LENS, served, fresh, strict=True):
         print(f"tiny-llama 2 x {seq_len}: forked from the server {a:5.2f} s, a fresh interpreter {b:5.2f} s")
     later = sum(served[1:]) / len(served[1:])
     print(
         f"after the first: {later:.2f} s per description against {sum(fresh) / len(fresh):.2f} s "
         f"(ratio {later / (sum(fresh) / len(fresh)):.2f}); the first, the server's imports included: {served[0]:.2f} s"
+    )
+    for seq_len, a in zip(SEQ_LENS, lora, strict=True):
+        print(f"tiny-llama LoRA 2 x {seq_len}: forked from the same server {a:5.2f} s")
+    print(
+        f"LoRA after the first: {sum(lora[1:]) / len(lora[1:]):.2f} s per description; "
+        f"the first, PEFT's import included: {lora[0]:.2f} s"
     )
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 # what every measuring child imports (the model machinery of transformers, which a model's class
 # pulls in lazily); the callers add their own modules (``preload``); PEFT is left to the fine-tuned
-# models' children, since importing it (bitsandbytes with it) would add 3-4 s to every process's
-# first description
+# models' requests (``sim.scenario.hf_model``), since importing it (bitsandbytes with it) would
+# add 3-4 s to every process's first description
 PRELOAD = ("torch", "torch.distributed.fsdp", "transformers", "transformers.modeling_utils")
 
 

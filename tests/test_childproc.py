@@ -133,3 +133,35 @@ def test_a_module_the_caller_names_is_imported_by_the_server_once_for_every_late
     assert seen(("tabnanny",))
     assert seen()  # the same server, which keeps it
     assert seen(("no_such_module_anywhere",))  # a name that does not import is skipped
+
+
+def test_a_fine_tuned_description_leaves_peft_imported_for_the_next_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full model's description does not import PEFT into the server (every process's first
+    description would pay it); a LoRA one does, so that the next fine-tuned description of a
+    sweep forks with PEFT already imported."""
+    import json
+
+    pytest.importorskip("peft")
+    from sim.scenario.hf_model import describe_config
+
+    monkeypatch.setattr(childproc, "_idle", [])  # a server of this test's own
+    monkeypatch.setenv("FSDPSIM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "sawpeft.py").write_text('import json, sys\nprint(json.dumps("peft" in sys.modules))\n')
+    environ = dict(os.environ, PYTHONPATH=str(tmp_path))
+
+    def peft_imported() -> bool:
+        result = childproc.run_module("sawpeft", [], env=environ, cwd=tmp_path, timeout_s=120)
+        assert result.returncode == 0, result.stderr
+        answer: bool = json.loads(result.stdout)
+        return answer
+
+    config = Path(__file__).resolve().parent / "data" / "hf" / "tiny-llama.json"
+    lora = {"method": "lora", "rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
+    for finetune in (None, lora):
+        d = describe_config(
+            config, name="tiny-llama", micro_batch=1, seq_len=16, dtype="bf16", where="t", finetune=finetune
+        )
+        assert (d.finetune is not None) == (finetune is not None)
+        assert peft_imported() == (finetune is not None)

@@ -156,7 +156,9 @@ def _extract(
             env=env,
             cwd=os.getcwd(),
             timeout_s=EXTRACT_TIMEOUT_S,
-            preload=("hfmodel.describe",),
+            # PEFT (1.5-4 s, bitsandbytes with it) is the fine-tuned children's own import: the
+            # server takes it once, so that in a sweep only the first point's description pays
+            preload=("hfmodel.describe", *(("peft",) if finetune is not None else ())),
         )
     except ChildTimeout:
         raise UserError(
