@@ -1,6 +1,11 @@
-"""The what-if scenario library: each file runs through ``fsdpsim run --format json`` in a subprocess,
-as a user would, and its answer (the figures in the README) is checked as relations and ranges."""
+"""The what-if scenario library: each file runs through ``fsdpsim run --format json`` (the CLI's own
+``main``, in this process: its described models' measurements then share one fork server, where a
+subprocess per run would start one each; ``tests/test_cli.py`` runs every scenario file in a
+subprocess, as a user would), and its answer (the figures in the README) is checked as relations
+and ranges."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -9,6 +14,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
+from sim.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = (
@@ -29,17 +36,11 @@ GB = 1e9
 def run(name: str, *sets: str) -> dict:
     """The JSON report of ``fsdpsim run scenarios/NAME --set ...`` (cached: each variant runs once)."""
     args = [a for s in sets for a in ("--set", s)]
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "sim.cli.main", "run", f"scenarios/{name}", *args, "--format", "json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["run", f"scenarios/{name}", *args, "--format", "json"])
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())
 
 
 @pytest.mark.parametrize("name", LIBRARY)
