@@ -32,6 +32,7 @@ DATA = ROOT / "tests" / "data" / "hf"
 # them, the shared embedding once: the "60M" and "220M" of the T5 paper)
 PUBLISHED = {
     "llama-2-7b": 6_738_415_616,
+    "mistral-7b": 7_241_732_096,  # the hub page's 7.24B, the paper's dims to the parameter
     "mixtral-8x7b": 46_702_792_704,
     "t5-small": 60_506_624,
     "t5-base": 222_903_552,
@@ -392,3 +393,16 @@ def test_a_described_models_norms_run_as_its_code_runs_them() -> None:
     w = Workload(micro_batch=2, seq_len=32, act_bytes=2, attention_kernel="flash", norm=NormKernel.FUSED)
     with pytest.raises(UserError, match="training.norm"):
         layer_ops(described, w)
+
+
+def test_the_readmes_library_table_is_the_index() -> None:
+    """The README's table of the bundled library lists index.json's entries, in its order, with
+    their hub ids and families."""
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("The bundled library", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)` \| `([^`]+)` \| ([^|]+) \|$", table, flags=re.MULTILINE)
+    entries = library()
+    assert [(name, hub) for name, hub, _ in rows] == [(e.name, e.hub_id) for e in entries.values()]
+    assert all(family.strip() == entries[name].family for name, _, family in rows)
