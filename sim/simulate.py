@@ -34,7 +34,7 @@ from sim.workload.expert_parallel import expert_parallel_view, split_at_experts
 from sim.workload.finetune import total_quant_state_bytes
 from sim.workload.forward import layer_ops
 from sim.workload.layer_op import LayerOp
-from sim.workload.layers import float_masks, model_buffer_bytes
+from sim.workload.layers import model_buffer_bytes, stack_masks
 from sim.workload.loss import output_logits_bytes
 from sim.workload.model import ModelConfig
 from sim.workload.options import AttentionImpl, OutputFormat, Strategy, WrapPolicy
@@ -183,7 +183,7 @@ def build_step(
         )
         if training.keep_outputs
         else 0,
-        float_masks=float_masks(ops, workload),
+        stack_masks=stack_masks(ops, workload),
         buffer_bytes=model_buffer_bytes(model)
         * dtype_bytes(_buffer_dtype(scenario))
         // dtype_bytes(MASTER_DTYPE),

@@ -42,7 +42,7 @@ def _step(tmp_path: Path, checkpointing: str, *, attention: str = "eager", fsdp:
 def _mask_life(result: SimResult) -> tuple[int, tuple[OpKind, str], tuple[OpKind, str]]:
     """(bytes, (kind, unit) of the op that allocates the one mask, of the op that frees it)."""
     ops = result.program.ops
-    made = [(i, a) for i, op in enumerate(ops) for a in op.allocs if a.label.startswith("float_masks")]
+    made = [(i, a) for i, op in enumerate(ops) for a in op.allocs if a.label.startswith("stack_masks")]
     assert len(made) == 1  # one micro-batch, one mask
     i, alloc = made[0]
     j = next(j for j, op in enumerate(ops) if alloc.label in op.frees)
@@ -71,8 +71,8 @@ def test_the_mask_lives_to_the_stacks_end_or_the_longest_held_regions_backward(
 
 def test_sdpa_builds_no_mask(tmp_path: Path) -> None:
     result = _step(tmp_path, "full", attention="sdpa")
-    assert result.step.float_mask_bytes == 0
-    assert not any(a.label.startswith("float_masks") for op in result.program.ops for a in op.allocs)
+    assert result.step.stack_mask_bytes == 0
+    assert not any(a.label.startswith("stack_masks") for op in result.program.ops for a in op.allocs)
 
 
 def test_with_checkpointing_the_mask_is_in_the_backward_peak(tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ def test_with_checkpointing_the_mask_is_in_the_backward_peak(tmp_path: Path) -> 
     for r in records:
         live[r.label] = live.get(r.label, 0) + r.delta_bytes
     assert records[-1].label.startswith("backward_temp:model.layers.")
-    assert [n for label, n in live.items() if label.startswith("float_masks") and n] == [B * S * S * 2]
+    assert [n for label, n in live.items() if label.startswith("stack_masks") and n] == [B * S * S * 2]
 
 
 def test_the_model_hands_the_attention_its_gradients_as_measured() -> None:
@@ -148,15 +148,15 @@ def test_each_layer_types_mask_lives_with_the_first_checkpointed_block_given_it(
     0's backward and the full one (block 1's) with block 1's; a mask no checkpointed block is
     given goes as the decoder stack returns. Each 2 x 64 x 64 x 4 B."""
     result = simulate(load_scenario(_gemma2(tmp_path, checkpointing)))
-    masks = {min(m.blocks): k for k, m in enumerate(result.step.float_masks)}
-    assert sorted(masks) == [0, 1] and all(m.bytes == 2 * 64 * 64 * 4 for m in result.step.float_masks)
+    masks = {min(m.blocks): k for k, m in enumerate(result.step.stack_masks)}
+    assert sorted(masks) == [0, 1] and all(m.bytes == 2 * 64 * 64 * 4 for m in result.step.stack_masks)
     ops = result.program.ops
     for block, k in masks.items():
         label = next(
             a.label
             for op in ops
             for a in op.allocs
-            if a.label.startswith("float_masks" if k == 0 else f"float_masks#{k}")
+            if a.label.startswith("stack_masks" if k == 0 else f"stack_masks#{k}")
         )
         freed = next(op for op in ops if label in op.frees)
         assert (freed.kind, freed.unit) == freed_by[block]

@@ -16,7 +16,7 @@ from sim.workload.attention_kernel import attention_kernel_figures
 from sim.workload.checkpointing import block_input_bytes
 from sim.workload.description import parse_description
 from sim.workload.forward import layer_ops
-from sim.workload.layers import float_masks
+from sim.workload.layers import stack_masks
 from sim.workload.model import ModelConfig
 from sim.workload.options import WrapPolicy
 from sim.workload.shapes import AttentionShape, Workload
@@ -207,11 +207,11 @@ def test_t5_memory_matches_real_fsdp2_in_fake_mode(tmp_path: Path) -> None:
 
 
 def test_eager_builds_a_float_mask_for_the_decoders_causal_calls_alone(t5: ModelConfig) -> None:
-    """``float_masks``' own rule on a model with bidirectional calls: the encoder's and the
+    """``stack_masks``' own rule on a model with bidirectional calls: the encoder's and the
     cross-attention's are unpadded, so no mask; the decoder's self-attention is causal: one
     batch × 1 × T × T mask in bf16, given to both decoder blocks (3 and 4). (A scenario refuses
     T5 with eager attention, whose position bias has no eager description; the rule is what
     any bidirectional model's eager path gets.)"""
     w = _workload("eager")
-    masks = float_masks(layer_ops(t5, w), w)
+    masks = stack_masks(layer_ops(t5, w), w)
     assert [(m.bytes, sorted(m.blocks)) for m in masks] == [(B * T * T * A, [3, 4])]

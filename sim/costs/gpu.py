@@ -31,7 +31,7 @@ A device without these figures (a CPU, a version-2 profile) uses ``sim.costs.com
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sim.dtypes import dtype_bytes
 from sim.hardware.schema import AttentionCurve, DeviceSpec
@@ -103,7 +103,12 @@ class GpuKernelModel:
         return math.exp(ys[i] + frac * (ys[i + 1] - ys[i])) * self.attention_scale
 
     def attention_s(self, shape: AttentionShape, kernel: str) -> tuple[float, float]:
-        """(forward, backward) seconds of one attention call."""
+        """(forward, backward) seconds of one attention call. Given a mask by transformers' SDPA
+        path (``AttentionShape.sdpa_window_mask``: a sliding window the keys reach), SDPA cannot
+        run flash, which takes none: memory-efficient attention over every pair (torch 2.13
+        ``sdp_utils``: flash requires ``attn_mask`` to be None; the window is only in the mask)."""
+        if kernel not in ("math", "eager") and shape.sdpa_window_mask:
+            kernel, shape = "efficient", replace(shape, causal=False, window=None)
         fwd_flops = 4.0 * shape.batch * shape.seq_len * shape.kv_len * shape.heads * shape.head_dim
         if shape.causal:
             fwd_flops /= 2

@@ -90,8 +90,8 @@ def first_block_segment(cfg: StepConfig) -> int | None:
     return next((j for j, s in enumerate(cfg.segments) if s.block is not None), None)
 
 
-def float_mask_end(cfg: StepConfig, mask: int, i: int, *, backward: bool) -> bool:
-    """Whether HF's eager attention mask ``mask`` (of ``StepConfig.float_masks``) goes at the end
+def stack_mask_end(cfg: StepConfig, mask: int, i: int, *, backward: bool) -> bool:
+    """Whether HF's attention mask ``mask`` (of ``StepConfig.stack_masks``) goes at the end
     of segment ``i``'s forward (or, with ``backward``, its backward). Where no block given it is
     checkpointed it goes when the decoder stack returns (after its last block's forward); else
     each checkpoint region keeps the mask its blocks are given among the inputs its
@@ -99,7 +99,7 @@ def float_mask_end(cfg: StepConfig, mask: int, i: int, *, backward: bool) -> boo
     (measured with a weak reference on transformers 5.24's Llama, full and every-2nd-block
     checkpointing; Gemma 2 gives each layer its own type's mask)."""
     segs = cfg.segments
-    holder = min((b for b in cfg.float_masks[mask].blocks if cfg.checkpoint.covers(b)), default=None)
+    holder = min((b for b in cfg.stack_masks[mask].blocks if cfg.checkpoint.covers(b)), default=None)
     if backward:
         return holder is not None and segs[i].block == holder and first_of_block(cfg, i)
     return holder is None and i == max(j for j, s in enumerate(segs) if s.block is not None)

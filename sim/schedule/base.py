@@ -19,10 +19,10 @@ from sim.schedule.activation_life import (
     cache_holder,
     first_block_segment,
     first_of_block,
-    float_mask_end,
     held_block_input_bytes,
     next_region_checkpointed,
     previous_output,
+    stack_mask_end,
 )
 from sim.schedule.emit import OpEmitter
 from sim.schedule.model_state import resident_allocs
@@ -41,9 +41,9 @@ class Activations:
     # block -> what of a checkpointed block's saves an unchecked region after it keeps
     kept_after_block: dict[int, list[str]] = field(default_factory=dict)
     kv_cache: list[str] = field(default_factory=list)  # model.use_cache: each block's cached K/V
-    # each of the model's float attention masks (by its place in ``StepConfig.float_masks``): its
+    # each of the decoder stack's attention masks (by its place in ``StepConfig.stack_masks``): its
     # label, while it lives
-    float_masks: dict[int, str] = field(default_factory=dict)
+    stack_masks: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,8 +116,8 @@ class ScheduleBuilder(OpEmitter):
         allocs, frees, transient_alloc = self._forward_saves(i, mb, acts)
         end_allocs, output_frees = self._cache_and_output(i, mb, acts)
         frees += output_frees
-        allocs += self._float_masks_made(i, mb, acts)
-        frees += self._float_masks_dropped(i, acts, backward=False)
+        allocs += self._stack_masks_made(i, mb, acts)
+        frees += self._stack_masks_dropped(i, acts, backward=False)
         allocs += [*extra_allocs, transient_alloc]
         frees += [transient_alloc.label, *extra_frees]
         return self.compute(
@@ -244,23 +244,23 @@ class ScheduleBuilder(OpEmitter):
             acts.kv_cache = []
         return end_allocs, frees
 
-    def _float_masks_made(self, i: int, mb: int, acts: Activations) -> list[Alloc]:
-        """HF's eager attention masks (``StepConfig.float_masks``), built by the decoder stack
+    def _stack_masks_made(self, i: int, mb: int, acts: Activations) -> list[Alloc]:
+        """HF's attention masks (``StepConfig.stack_masks``), built by the decoder stack
         before its first block: allocated as the first block's forward starts."""
-        if not self.cfg.float_masks or i != first_block_segment(self.cfg):
+        if not self.cfg.stack_masks or i != first_block_segment(self.cfg):
             return []
         allocs = []
-        for k, mask in enumerate(self.cfg.float_masks):
-            acts.float_masks[k] = self.label("float_masks" if k == 0 else f"float_masks#{k}", ROOT, mb)
+        for k, mask in enumerate(self.cfg.stack_masks):
+            acts.stack_masks[k] = self.label("stack_masks" if k == 0 else f"stack_masks#{k}", ROOT, mb)
             allocs.append(
-                Alloc(label=acts.float_masks[k], category=MemoryCategory.ACTIVATIONS, bytes=mask.bytes)
+                Alloc(label=acts.stack_masks[k], category=MemoryCategory.ACTIVATIONS, bytes=mask.bytes)
             )
         return allocs
 
-    def _float_masks_dropped(self, i: int, acts: Activations, *, backward: bool) -> list[str]:
-        """The masks' frees, each at the end ``float_mask_end`` names."""
-        ending = [k for k in acts.float_masks if float_mask_end(self.cfg, k, i, backward=backward)]
-        return [acts.float_masks.pop(k) for k in ending]
+    def _stack_masks_dropped(self, i: int, acts: Activations, *, backward: bool) -> list[str]:
+        """The masks' frees, each at the end ``stack_mask_end`` names."""
+        ending = [k for k in acts.stack_masks if stack_mask_end(self.cfg, k, i, backward=backward)]
+        return [acts.stack_masks.pop(k) for k in ending]
 
     def recompute_block(self, block: int, mb: int, acts: Activations) -> None:
         """Checkpointing's second forward of ``block``, just before its backward: every segment's
@@ -349,7 +349,7 @@ class ScheduleBuilder(OpEmitter):
             transient,
             acts.saved.pop(i),
             *extra_frees,
-            *self._float_masks_dropped(i, acts, backward=True),
+            *self._stack_masks_dropped(i, acts, backward=True),
         ]
         if i in acts.kept:
             frees.append(acts.kept.pop(i))

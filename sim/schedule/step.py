@@ -12,7 +12,7 @@ from sim.costs.offload import HostCosts
 from sim.dtypes import dtype_bytes
 from sim.workload.checkpointing import CheckpointPlan
 from sim.workload.expert_parallel import expert_padded_numel
-from sim.workload.layers import FloatMask
+from sim.workload.layers import StackMask
 from sim.workload.options import (
     Fsdp1Options,
     Fsdp2Offload,
@@ -72,9 +72,10 @@ class StepConfig:
     # ``sim.workload.loss.output_logits_bytes``) until the next forward returns; 0: dropped
     # with ``.loss`` at the forward's end. A KV cache is then the output's, freed with it.
     kept_output_bytes: int = 0
-    # the model's float attention masks (eager attention), built once per micro-batch before the
-    # first block, each with the blocks given it (``sim.workload.layers.float_masks``); (): none
-    float_masks: tuple[FloatMask, ...] = ()
+    # the attention masks the model's decoder stack builds once per micro-batch before its first
+    # block (eager: float; SDPA given a window: boolean), each with the blocks given it
+    # (``sim.workload.layers.stack_masks``); (): none
+    stack_masks: tuple[StackMask, ...] = ()
     buffer_bytes: int  # unsharded module buffers (RoPE inverse frequencies)
     collective_temp_buffers: bool
     ddp_bucket_bytes: int
@@ -109,9 +110,9 @@ class StepConfig:
         return dtype_bytes(self.master_dtype)
 
     @property
-    def float_mask_bytes(self) -> int:
-        """All of the float masks' bytes."""
-        return sum(m.bytes for m in self.float_masks)
+    def stack_mask_bytes(self) -> int:
+        """All of the stack's masks' bytes."""
+        return sum(m.bytes for m in self.stack_masks)
 
     @property
     def host_costs(self) -> HostCosts:

@@ -102,6 +102,29 @@ def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
     return per_batch, shape.batch * per_batch if shape.bias_grad else 0
 
 
+def _fused(w: Workload) -> bool:
+    return w.attention_kernel not in ("math", "eager")
+
+
+def window_mask_bytes(shape: AttentionShape, w: Workload) -> int:
+    """The additive mask a fused kernel keeps where transformers' SDPA path gives it one
+    (``AttentionShape.sdpa_window_mask``): the boolean mask converted for each call, batch ×
+    queries × keys in the query's dtype (measured: Mistral on the CPU's flash kernel, one per
+    block). Memory-efficient attention, which SDPA runs on a GPU given a mask, pads the keys to a
+    multiple of 16 where they are not one: not counted (a training length is one)."""
+    if not _fused(w) or not shape.sdpa_window_mask:
+        return 0
+    return shape.batch * shape.seq_len * shape.kv_len * w.act_bytes
+
+
+def _kept_kv_heads(shape: AttentionShape, w: Workload) -> int:
+    """The heads of the k and v the kernel keeps: every query head where they are ``repeat_kv``'s
+    copies (the eager path; the SDPA path given a mask, ``use_gqa_in_sdpa`` false), else the
+    model's key/value heads (SDPA's own GQA)."""
+    repeated = w.attention_kernel == "eager" or (_fused(w) and shape.sdpa_window_mask)
+    return shape.heads if repeated else shape.kv_heads
+
+
 def attention_saved_pieces(
     shape: AttentionShape, w: Workload, *, output_saved: bool = True
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -120,9 +143,11 @@ def attention_saved_pieces(
         return (q, *kv), tuple(scores * n for n in per), out
     if w.attention_kernel == "math":
         return (), (attention_kernel_figures(shape, w, output_saved=output_saved)[1],), ()
-    kv = (t_kv * shape.kv_heads * shape.head_dim * a, t_kv * shape.kv_heads * dv * a)
+    heads = _kept_kv_heads(shape, w)
+    kv = (t_kv * heads * shape.head_dim * a, t_kv * heads * dv * a)
     bias = (_fused_bias_bytes(shape, a)[0],) if shape.bias else ()
-    return (q, *kv), (t * shape.heads * FP32_BYTES, *bias), out
+    mask = (window_mask_bytes(shape, w),) if shape.sdpa_window_mask else ()
+    return (q, *kv), (t * shape.heads * FP32_BYTES, *bias, *mask), out
 
 
 # the first number the attention kernel's own tensors take (counting down, apart from the model's
@@ -138,19 +163,20 @@ def attention_kernel_requests(
     trace marks kept), and the same where its block is checkpointed (all freed once it has run).
     Eager: ``repeat_kv``'s copies where there are fewer key/value heads, the s² tensors op by op
     (``eager_score_requests``), then the ``@ v`` matmul's output before its contiguous copy; a
-    fused kernel its log-sum-exp (and bias); the math path its saved block (the output in it)
-    and its low-precision copy. The output where the kernel counts it, kept, last."""
+    fused kernel its log-sum-exp (and bias), given a mask by the SDPA path ``repeat_kv``'s copies
+    first and the converted mask last; the math path its saved block (the output in it) and its
+    low-precision copy. The output where the kernel counts it, kept, last."""
     a, dv = w.act_bytes, shape.v_head_dim or shape.head_dim
     t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
     out_bytes = t * shape.heads * dv * a
     ids = iter(range(KERNEL_TENSOR_IDS, KERNEL_TENSOR_IDS - 100, -1))
     requests: list[Request] = []
+    if _kept_kv_heads(shape, w) > shape.kv_heads:
+        requests += [
+            (next(ids), -t_kv * shape.heads * shape.head_dim * a),
+            (next(ids), -t_kv * shape.heads * dv * a),
+        ]
     if w.attention_kernel == "eager":
-        if shape.kv_heads < shape.heads:
-            requests += [
-                (next(ids), -t_kv * shape.heads * shape.head_dim * a),
-                (next(ids), -t_kv * shape.heads * dv * a),
-            ]
         scores = t * shape.heads * shape.kv_len
         per = eager_score_requests(a, softcap=shape.softcap, dropout=shape.dropout > 0)
         requests += [(i, n * scores) for i, n in per]
@@ -167,6 +193,8 @@ def attention_kernel_requests(
         requests.append((next(ids), -t * shape.heads * FP32_BYTES))
         if shape.bias:
             requests.append((next(ids), -_fused_bias_bytes(shape, a)[0]))
+        if shape.sdpa_window_mask:
+            requests.append((next(ids), -window_mask_bytes(shape, w)))
     if output_saved:
         requests.append((next(ids), -out_bytes))
     made = [i for i, n in requests if n != 0]
@@ -213,7 +241,10 @@ def attention_kernel_figures(
 
     A fused kernel (flash, memory-efficient, cuDNN) keeps q, k, v, its output and the fp32
     log-sum-exp, and its backward an fp32 dq accumulator; causal masking halves its FLOPs and a
-    sliding window skips the pairs outside it; its dropout keeps a random seed, not a mask. The
+    sliding window skips the pairs outside it; its dropout keeps a random seed, not a mask. Given
+    a mask by transformers' SDPA path (``AttentionShape.sdpa_window_mask``) it keeps k and v as
+    ``repeat_kv`` copies them to every query head and the converted mask, and computes every
+    pair (``is_causal`` off, the window only in the mask). The
     math path keeps fp32 copies and the s² softmax (``_math_figures``), a model's eager attention
     its s² tensors op by op (``_eager_figures``). ``output_saved=False``
     when the output is counted elsewhere (a described model measures it at the output
@@ -224,11 +255,11 @@ def attention_kernel_figures(
     t, t_kv = shape.batch * shape.seq_len, shape.batch * s
     q_dim = shape.heads * shape.head_dim
     out_dim = shape.heads * (shape.v_head_dim or shape.head_dim)
-    kv_dim = shape.kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
-    flash = w.attention_kernel not in ("math", "eager")
+    kv_dim = _kept_kv_heads(shape, w) * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
+    flash = _fused(w)
     if flash:
         saved = t * (a * (q_dim + (out_dim if output_saved else 0)) + FP32_BYTES * shape.heads)
-        saved += t_kv * a * kv_dim
+        saved += t_kv * a * kv_dim + window_mask_bytes(shape, w)
         fwd_transient, bwd_transient = 0, t * q_dim * FP32_BYTES  # the flash backward's fp32 dq
         if shape.bias:
             bias_saved, bias_grad = _fused_bias_bytes(shape, a)
@@ -240,7 +271,9 @@ def attention_kernel_figures(
     else:
         saved, fwd_transient, bwd_transient = _math_figures(shape, w, output_saved)
     width = shape.heads * shape.flops_head_dim
-    if flash and shape.window is not None and shape.window < s:  # keys attended per query, on average
+    if flash and shape.sdpa_window_mask:  # every pair, the window only in the mask
+        flops = 4.0 * t * s * width
+    elif flash and shape.window is not None and shape.window < s:  # keys attended per query, on average
         pairs = shape.window - shape.window**2 / (2.0 * s) if shape.causal else 2.0 * shape.window
         flops = 4.0 * t * pairs * width
     else:

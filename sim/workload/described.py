@@ -152,8 +152,8 @@ def _kernel_own_pieces(own: tuple[int, ...], own_bytes: int) -> tuple[int, ...]:
 
 def _given_bytes(shape: AttentionShape, w: Workload, output_saved: bool) -> int:
     """Of the kernel's saved bytes, the tensors the block's own ops made (measured with the
-    block): q, k and v as the model hands them (k and v at the KV heads; the eager path's
-    ``repeat_kv`` copies are the kernel's) and, where the kernel's figures count it, the output."""
+    block): q, k and v as the model hands them (k and v at the KV heads; ``repeat_kv``'s
+    copies, eager's or those of SDPA given a mask, are the kernel's) and, where the kernel's figures count it, the output."""
     t, t_kv, a = shape.batch * shape.seq_len, shape.batch * shape.kv_len, w.act_bytes
     dv = shape.v_head_dim or shape.head_dim
     given = t * shape.heads * shape.head_dim * a + t_kv * shape.kv_heads * (shape.head_dim + dv) * a

@@ -56,8 +56,10 @@ from sim.workload.shapes import AttentionShape, Workload
 
 
 @dataclass(frozen=True, kw_only=True)
-class FloatMask:
-    """One of HF's eager float attention masks: its bytes and the blocks it is given to."""
+class StackMask:
+    """One of the attention masks HF's decoder stack builds before its first block (eager: an
+    additive float mask; SDPA given a window: a boolean one): its bytes and the blocks it is
+    given to."""
 
     bytes: int
     blocks: frozenset[int]
@@ -172,25 +174,29 @@ def _linear(spec: ParamSpec, w: Workload, block: int | None) -> LayerOp:
     )
 
 
-def float_masks(ops: Sequence[LayerOp], w: Workload) -> tuple[FloatMask, ...]:
-    """The additive float masks HF's eager attention is given (``masking_utils``: one per causal
-    pattern, each batch × 1 × queries × keys in the activation dtype), built once per forward
-    before the first decoder block, each with the blocks whose attention is given it (a pattern:
-    the call's window and lengths; Gemma 2's full and sliding-window layers, each layer given its
-    own type's mask, ``causal_mask_mapping[config.layer_types[i]]``; ``create_causal_mask`` and
-    ``create_sliding_window_causal_mask``, and ``eager_mask`` never skips a causal one); none for
-    a bidirectional call without padding, nor for SDPA's kernels (a causal flag, no mask)."""
-    if w.attention_kernel != "eager":
-        return ()
+def stack_masks(ops: Sequence[LayerOp], w: Workload) -> tuple[StackMask, ...]:
+    """The attention masks HF's decoder stack builds once per forward before its first block
+    (``masking_utils``: one per causal pattern, ``create_causal_mask`` and, for sliding-window
+    layers, ``create_sliding_window_causal_mask``), each with the blocks whose attention is given
+    it (a pattern: the call's window and lengths; Gemma 2's full and sliding-window layers, each
+    layer given its own type's mask, ``causal_mask_mapping[config.layer_types[i]]``).
+
+    Eager: an additive float mask per causal pattern (``eager_mask`` never skips one), batch × 1 ×
+    queries × keys in the activation dtype. SDPA's kernels: a causal flag and no mask, but for a
+    window its keys reach (``AttentionShape.sdpa_window_mask``): a boolean mask, one byte per
+    query and key, its batch an expanded view (measured: 4,096 B at 64 tokens, held by the
+    checkpointed blocks like the float one). None for a bidirectional call without padding."""
+    eager = w.attention_kernel == "eager"
     patterns: dict[tuple[int | None, int, int], tuple[int, set[int]]] = {}
     for op in ops:
         a = op.attention
-        if a is None or not a.causal or op.block is None:
+        if a is None or not a.causal or op.block is None or not (eager or a.sdpa_window_mask):
             continue
         key = (a.window, a.seq_len, a.kv_len)
-        nbytes, blocks = patterns.setdefault(key, (a.batch * a.seq_len * a.kv_len * w.act_bytes, set()))
+        nbytes = a.batch * a.seq_len * a.kv_len * w.act_bytes if eager else a.seq_len * a.kv_len
+        _, blocks = patterns.setdefault(key, (nbytes, set()))
         blocks.add(op.block)
-    return tuple(FloatMask(bytes=n, blocks=frozenset(b)) for n, b in patterns.values())
+    return tuple(StackMask(bytes=n, blocks=frozenset(b)) for n, b in patterns.values())
 
 
 def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:

@@ -53,6 +53,17 @@ class AttentionShape:
         return self.seq_len if self.kv_seq_len is None else self.kv_seq_len
 
     @property
+    def sdpa_window_mask(self) -> bool:
+        """Whether transformers' SDPA path hands the kernel a mask: a sliding-window call whose keys
+        reach its window (``masking_utils._ignore_causal_mask_sdpa`` keeps ``is_causal`` only
+        below it: ``kv_length >= local_attention_size`` builds the mask; measured on Mistral,
+        window 64 against 65 at 64 tokens). With the mask ``is_causal`` is off, ``use_gqa_in_sdpa``
+        is false, so ``repeat_kv`` copies k and v to every query head, and torch converts the
+        boolean mask to an additive one in the query's dtype (``convert_boolean_attn_mask``),
+        which a fused kernel keeps for backward (``sim.workload.attention_kernel``)."""
+        return self.causal and self.window is not None and self.kv_len >= self.window
+
+    @property
     def flops_head_dim(self) -> float:
         """The head dimension of the FLOP count: QKᵀ runs on ``head_dim``, AV on ``v_head_dim``."""
         return self.head_dim if self.v_head_dim is None else (self.head_dim + self.v_head_dim) / 2
