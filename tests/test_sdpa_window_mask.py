@@ -104,3 +104,17 @@ def test_on_a_gpu_a_given_mask_runs_memory_efficient_attention_over_every_pair()
     rate = model.attention_rate(short, "flash")
     assert not short.sdpa_window_mask and rate == pytest.approx(173e12, rel=1e-3)  # flash, causal, 4k
     assert causal_forward == pytest.approx(4.0 * 4095 * 4095 * 32 * 128 / 2 / rate, rel=1e-9)
+
+
+def test_t5s_position_bias_runs_memory_efficient_attention_too() -> None:
+    """A position-biased call (T5's decoder self-attention: causal in the mask only) on the A100:
+    memory-efficient attention's non-causal rate over all pairs, head dim 64 (76 TFLOP/s at 2k)."""
+    from sim.costs.gpu import FA_BACKWARD_OVER_FORWARD, kernel_model
+    from sim.hardware.registry import builtin_devices
+
+    model = kernel_model(builtin_devices()["a100-sxm-80g"], "bf16", builtin_devices())
+    t5 = AttentionShape(batch=4, seq_len=2048, heads=12, kv_heads=12, head_dim=64, bias=True)
+    forward, backward = model.attention_s(t5, "flash")
+    flops = 4.0 * 4 * 2048 * 2048 * 12 * 64
+    assert forward == pytest.approx(flops / 76e12, rel=1e-9)
+    assert backward == pytest.approx(FA_BACKWARD_OVER_FORWARD * forward, rel=1e-9)
