@@ -31,6 +31,8 @@ def test_a_window_the_keys_reach_keeps_the_copies_and_the_mask(a: int) -> None:
     unreached = replace(SHAPE, window=S + 1)
     assert SHAPE.sdpa_window_mask and not unreached.sdpa_window_mask
     assert replace(SHAPE, window=S).sdpa_window_mask  # kv_length >= the window builds it
+    # a soft-capped call (Gemma 2) never runs SDPA: the fused kernel is FlashAttention's, no mask
+    assert not replace(SHAPE, softcap=True).sdpa_window_mask
     flops, saved, _, _ = attention_kernel_figures(SHAPE, w)
     flops_causal, saved_causal, _, _ = attention_kernel_figures(unreached, w)
     copies = 2 * B * S * (H - KV) * D * a

@@ -60,8 +60,11 @@ class AttentionShape:
         window 64 against 65 at 64 tokens). With the mask ``is_causal`` is off, ``use_gqa_in_sdpa``
         is false, so ``repeat_kv`` copies k and v to every query head, and torch converts the
         boolean mask to an additive one in the query's dtype (``convert_boolean_attn_mask``),
-        which a fused kernel keeps for backward (``sim.workload.attention_kernel``)."""
-        return self.causal and self.window is not None and self.kv_len >= self.window
+        which a fused kernel keeps for backward (``sim.workload.attention_kernel``). Not for a
+        soft-capped call (Gemma 2): transformers does not run those through SDPA at all
+        (``_supports_sdpa = False``), so a fused kernel there stands for FlashAttention's, which
+        soft-caps and windows in the kernel, with no mask."""
+        return not self.softcap and self.causal and self.window is not None and self.kv_len >= self.window
 
     @property
     def flops_head_dim(self) -> float:
