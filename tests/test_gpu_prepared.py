@@ -21,14 +21,16 @@ def test_the_gpu_is_matched_to_its_builtin_profile(reported: str) -> None:
     assert builtin_for(reported) == LENT[reported]
 
 
-def _items() -> list[tuple[str, list[str]]]:
-    return [LORA_ROW] + [(name, [*COMMON, *sets, "parallel.world_size=1"]) for name, sets in CONFIGS]
+def _items() -> list[tuple[str, str, list[str]]]:
+    return [(LORA_ROW[0], BASE, LORA_ROW[1])] + [
+        (name, scenario, [*COMMON, *sets, "parallel.world_size=1"]) for name, scenario, sets in CONFIGS
+    ]
 
 
 @pytest.mark.parametrize("profile", sorted(set(LENT.values())))
 def test_every_item_loads_and_fits_the_lent_gpus(profile: str) -> None:
-    for name, sets in _items():
-        report = build_report(simulate(load_scenario(BASE, [*sets, f'cluster.profile="{profile}"'])))
+    for name, scenario, sets in _items():
+        report = build_report(simulate(load_scenario(scenario, [*sets, f'cluster.profile="{profile}"'])))
         assert report.fits, (name, profile, report.required_bytes)
         assert report.step_time_s > 0
 
@@ -48,3 +50,16 @@ def test_the_first_item_is_the_published_lora_row_at_one_rank() -> None:
     assert row.model.description is not None and row.model.description.finetune is not None
     settings = row.model.description.finetune.lora_settings()
     assert {k: settings[k] for k in published["finetune"]} == published["finetune"]
+
+
+def test_the_window_item_gives_sdpa_its_mask() -> None:
+    """The last item's keys reach its sliding window, so SDPA is given a mask there (the path of
+    ``AttentionShape.sdpa_window_mask`` that a GPU alone can time)."""
+    from sim.workload.forward import layer_ops
+    from sim.workload.shapes import Workload
+
+    name, scenario, sets = CONFIGS[-1]
+    model = load_scenario(scenario, sets).model
+    w = Workload(micro_batch=4, seq_len=2048, act_bytes=2, attention_kernel="flash")
+    shapes = [op.attention for op in layer_ops(model, w) if op.attention is not None]
+    assert shapes and all(a.sdpa_window_mask for a in shapes), name

@@ -36,14 +36,17 @@ from validation.marked_sections import write_between_markers
 from validation.run import calibrated_profile
 
 BASE = "scenarios/tiny.toml"
-# (name, overrides): model sizes a single GPU trains in seconds
-CONFIGS: list[tuple[str, list[str]]] = [
+# (name, scenario, overrides): models a single GPU trains in seconds; the last one a sliding window
+# its keys reach (SDPA given a mask: memory-efficient attention, k and v copied to every head)
+CONFIGS: list[tuple[str, str, list[str]]] = [
     (
         "llama-34m, bf16, 8 x 1024",
+        BASE,
         ["model.preset=llama-34m", "training.micro_batch=8", "training.seq_len=1024"],
     ),
     (
         "1.2B (16 x 2048 hidden), bf16, 4 x 2048",
+        BASE,
         [
             "model.preset=llama2-7b",
             "model.n_layers=16",
@@ -55,6 +58,7 @@ CONFIGS: list[tuple[str, list[str]]] = [
             "training.seq_len=2048",
         ],
     ),
+    ("Mistral-shaped 0.2B, window 1024, bf16, 4 x 2048", "validation/hf/mistral-small.toml", []),
 ]
 COMMON = ["precision.param_dtype=bf16", "precision.reduce_dtype=fp32", "parallel.strategy=FULL_SHARD"]
 # The development set's first LoRA row (validation.published_memory: Llama-2-7B, LoRA r 8 on
@@ -92,20 +96,28 @@ def builtin_for(device_name: str) -> str:
     return max(matches, key=lambda n: len(load_profile(n).device.name))
 
 
-def _one(name: str, sets: list[str], nproc: int, profile: str, calibrated: str | None) -> list[str]:
-    spec = {"scenario": BASE, "overrides": sets, "steps": 10, "warmup": 3}
-    return _compared(name, sets, nproc, run_real(spec, nproc, 300.0), profile, calibrated)
+def _one(
+    name: str, scenario: str, sets: list[str], nproc: int, profile: str, calibrated: str | None
+) -> list[str]:
+    spec = {"scenario": scenario, "overrides": sets, "steps": 10, "warmup": 3}
+    return _compared(name, scenario, sets, nproc, run_real(spec, nproc, 300.0), profile, calibrated)
 
 
 def _compared(
-    name: str, sets: list[str], nproc: int, ranks: list[dict], profile: str, calibrated: str | None
+    name: str,
+    base: str,
+    sets: list[str],
+    nproc: int,
+    ranks: list[dict],
+    profile: str,
+    calibrated: str | None,
 ) -> list[str]:
     """The real run's ranks against the prediction from each profile given."""
     lines = []
     for label, prof in (("built-in, uncalibrated", profile), ("calibrated compute", calibrated)):
         if prof is None:
             continue
-        scenario = load_scenario(BASE, [*sets, f'cluster.profile="{prof}"'])
+        scenario = load_scenario(base, [*sets, f'cluster.profile="{prof}"'])
         result = simulate(scenario)
         lines.append(
             format_markdown(
@@ -128,8 +140,8 @@ def allocator_line(name: str, check: dict[str, int]) -> str:
     )
 
 
-def _allocator_check(name: str, sets: list[str]) -> str:
-    spec = {"scenario": BASE, "overrides": sets, "steps": 2, "warmup": 1, "allocator_trace": True}
+def _allocator_check(name: str, scenario: str, sets: list[str]) -> str:
+    spec = {"scenario": scenario, "overrides": sets, "steps": 2, "warmup": 1, "allocator_trace": True}
     return allocator_line(name, run_real(spec, 1, 300.0)[0]["allocator_trace"])
 
 
@@ -157,18 +169,21 @@ def run(out: str, nproc: int) -> str:
     except Exception as e:  # whatever stops it, the items after it are still worth their minutes
         record([f"{LORA_ROW[0]}: failed: {type(e).__name__}: {e}"])
     with tempfile.TemporaryDirectory(prefix="fsdpsim-gpu-") as tmp:
-        for i, (config, sets) in enumerate(CONFIGS):
+        for i, (config, scenario, sets) in enumerate(CONFIGS):
             world = [*COMMON, *sets, "parallel.world_size=1"]
             folder = Path(tmp) / f"c{i}"
             folder.mkdir()
             try:
-                cal = calibrated_profile(BASE, world, 1, folder, str(_profile_file(profile, folder)))
+                cal = calibrated_profile(scenario, world, 1, folder, str(_profile_file(profile, folder)))
             except UserError as e:  # the uncalibrated prediction is still worth recording
                 print(f"calibration failed: {e}", file=sys.stderr)
                 cal = None
-            record([*_one(config, world, 1, profile, cal), _allocator_check(config, world)])
+            record(
+                [*_one(config, scenario, world, 1, profile, cal), _allocator_check(config, scenario, world)]
+            )
         if torch.cuda.device_count() >= 2:
-            record(_one(CONFIGS[0][0], [*COMMON, *CONFIGS[0][1], "parallel.world_size=2"], 2, profile, None))
+            name, scenario, sets = CONFIGS[0]
+            record(_one(name, scenario, [*COMMON, *sets, "parallel.world_size=2"], 2, profile, None))
     return "\n\n".join(lines)
 
 
@@ -181,7 +196,10 @@ def _lora_row(profile: str, out_dir: str | None) -> str:
         spec["allocator_trace_file"] = str(Path(out_dir) / "lora-row-trace.json.gz")
     ranks = run_real(spec, 1, 420.0)
     return "\n\n".join(
-        [*_compared(name, sets, 1, ranks, profile, None), allocator_line(name, ranks[0]["allocator_trace"])]
+        [
+            *_compared(name, BASE, sets, 1, ranks, profile, None),
+            allocator_line(name, ranks[0]["allocator_trace"]),
+        ]
     )
 
 
