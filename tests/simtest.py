@@ -193,3 +193,29 @@ def compute_target(scenario: Path, world_size: int = 2) -> Any:
         param_dtype=sc.precision.param_dtype,
         world_size=world_size,
     )
+
+
+TINY_SCENARIO = Path(__file__).resolve().parent.parent / "scenarios" / "tiny.toml"
+HF_CONFIGS = Path(__file__).resolve().parent / "data" / "hf"
+
+
+def tiny_with_config(tmp_path: Path, config: str) -> str:
+    """``scenarios/tiny.toml`` (fp32, 2 x 64 tokens, 2 ranks) with its preset replaced by the
+    described model ``tests/data/hf/CONFIG`` (``--set`` cannot swap a preset for a config)."""
+    text = TINY_SCENARIO.read_text()
+    assert 'preset = "tiny"' in text
+    path = tmp_path / f"{Path(config).stem}.toml"
+    path.write_text(text.replace('preset = "tiny"', f'config = "{HF_CONFIGS / config}"'))
+    return str(path)
+
+
+def real_step_peak(scenario: str, sets: list[str]) -> tuple[Any, dict[str, Any]]:
+    """The real FSDP2 step of one rank (fake process group, FakeTensorMode, in a child process)
+    against the simulator: the comparison's peak-memory row and the measurement."""
+    from validation.fake_memory_child import measure_fake_memory_subprocess
+    from validation.memory_only import compare_memory
+
+    measured = measure_fake_memory_subprocess(scenario, sets, 300.0)
+    row = compare_memory(load_scenario(scenario, sets), measured).rows[0]
+    assert row.metric == "peak memory"
+    return row, measured

@@ -10,21 +10,16 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from simtest import HF_CONFIGS, real_step_peak, tiny_with_config
 
-from sim.scenario.loader import load_scenario
 from sim.workload.described import kernel_output_saved
 from sim.workload.description import parse_description
 from sim.workload.forward import layer_ops
 from sim.workload.layer_op import LayerKind
 from sim.workload.model import ModelConfig
 from sim.workload.shapes import Workload
-from validation.fake_memory_child import measure_fake_memory_subprocess
-from validation.memory_only import compare_memory
 
 pytest.importorskip("transformers")
-
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "tests" / "data" / "hf"
 
 
 @cache
@@ -32,7 +27,7 @@ def _described(config: str) -> ModelConfig:
     from hfmodel.describe import describe
 
     data = describe(
-        json.loads((DATA / config).read_text()), micro_batch=2, seq_len=32, dtype="fp32", name=config
+        json.loads((HF_CONFIGS / config).read_text()), micro_batch=2, seq_len=32, dtype="fp32", name=config
     )
     return ModelConfig.of(parse_description(json.loads(json.dumps(data)), config))
 
@@ -70,21 +65,11 @@ def test_a_kernel_whose_output_takes_the_querys_layout_saves_it_beside_the_copy(
     assert extra == [2 * 32 * 128 * 4 if own_output else 0] * 2
 
 
-def _gpt_neox(tmp_path: Path) -> str:
-    path = tmp_path / "neox.toml"
-    text = (ROOT / "scenarios" / "tiny.toml").read_text()
-    assert 'preset = "tiny"' in text
-    path.write_text(text.replace('preset = "tiny"', f'config = "{DATA / "tiny-gpt-neox.json"}"'))
-    return str(path)
-
-
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_the_real_gpt_neox_step_peaks_as_simulated(tmp_path: Path, mode: str) -> None:
     """The real FSDP2 step (fake process group, FakeTensorMode, the CPU's flash kernel), fp32,
     2 ranks, 2 x 64 tokens: 2026-12-07, -0.01 % and -0.02 %; before, -1.31 % (no checkpointing:
     one tokens x hidden tensor per block missing) and -0.72 % (full checkpointing, once a
     checkpointed block's input was no longer counted twice, which had hidden it)."""
-    scenario, sets = _gpt_neox(tmp_path), [f"checkpointing.mode={mode}"]
-    measured = measure_fake_memory_subprocess(scenario, sets, 300.0)
-    row = compare_memory(load_scenario(scenario, sets), measured).rows[0]
+    row, _ = real_step_peak(tiny_with_config(tmp_path, "tiny-gpt-neox.json"), [f"checkpointing.mode={mode}"])
     assert abs(row.predicted / row.measured - 1) <= 1e-3

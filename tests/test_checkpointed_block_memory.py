@@ -6,14 +6,12 @@ allocated once, a calibrated unit's measured backward peak kept as measured, and
 from pathlib import Path
 
 import pytest
+from simtest import TINY_SCENARIO, real_step_peak, tiny_with_config
 
 from sim.scenario.loader import load_scenario
 from sim.simulate import build_step, scenario_profile, simulate
-from validation.fake_memory_child import measure_fake_memory_subprocess
-from validation.memory_only import compare_memory
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "scenarios" / "tiny.toml")  # fp32, 2 x 64 tokens, hidden 64
+TINY = str(TINY_SCENARIO)  # fp32, 2 x 64 tokens, hidden 64
 CPU = "cluster.profile=profiles/cpu-2x-gloo.json"  # compute (and bytes) calibrated on the tiny units
 
 
@@ -75,22 +73,8 @@ def test_the_real_checkpointed_step_peaks_as_simulated(sets: list[str], bound: f
     +1.15 % and +1.57 % (the block's input allocated again by its recompute) and, with the MLP's
     backward peak modelled but the input still counted twice and the calibrated peak scaled op by
     op, -2.9 % calibrated."""
-    measured = measure_fake_memory_subprocess(TINY, sets, 300.0)
-    row = compare_memory(load_scenario(TINY, sets), measured).rows[0]
+    row, _ = real_step_peak(TINY, sets)
     assert abs(row.predicted / row.measured - 1) <= bound
-
-
-def _described(tmp_path: Path) -> str:
-    """The ``tiny`` preset's dimensions as a described model (tests/data/hf/tiny-llama.json):
-    its saves counted where they are made, the embedding's and each block's output by the op
-    that made it (``LayerOp.next_block_input_bytes``)."""
-    path = tmp_path / "described.toml"
-    text = Path(TINY).read_text()
-    assert 'preset = "tiny"' in text
-    path.write_text(
-        text.replace('preset = "tiny"', f'config = "{ROOT / "tests" / "data" / "hf" / "tiny-llama.json"}"')
-    )
-    return str(path)
 
 
 @pytest.mark.parametrize(
@@ -109,7 +93,7 @@ def test_a_checkpointed_blocks_input_its_maker_keeps_is_not_allocated_again(
     the region that made it keeps it; where that region keeps its saves (the embedding's always,
     block 0 unless checkpointed) a checkpointed next block allocates no second copy of it. bf16:
     the norm saves its own fp32 copy, and the checkpoint's kept input is allocated."""
-    result = simulate(load_scenario(_described(tmp_path), sets))
+    result = simulate(load_scenario(tiny_with_config(tmp_path, "tiny-llama.json"), sets))
     checkpointed = sorted(result.step.checkpoint.blocks)
     allocated = {
         int(m.label.split(":")[1].rsplit(".", 1)[1])
@@ -135,7 +119,5 @@ def test_the_real_checkpointed_step_of_a_described_fp32_model_peaks_as_simulated
 ) -> None:
     """2026-12-07: -0.06 % and -0.05 %; before, +1.15 % and +0.96 % (the block's input counted
     by the embedding's, or block 0's, saves and again as the checkpoint's kept input)."""
-    scenario = _described(tmp_path)
-    measured = measure_fake_memory_subprocess(scenario, sets, 300.0)
-    row = compare_memory(load_scenario(scenario, sets), measured).rows[0]
+    row, _ = real_step_peak(tiny_with_config(tmp_path, "tiny-llama.json"), sets)
     assert abs(row.predicted / row.measured - 1) <= 1e-3

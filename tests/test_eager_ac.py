@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from simtest import real_step_peak
 
 from sim.core.events import OpKind
 from sim.outputs.memory_curve import memory_curve
@@ -167,10 +168,5 @@ def test_the_real_checkpointed_gemma2_step_peaks_as_simulated(tmp_path: Path, ch
     """The real FSDP2 step (fake process group, FakeTensorMode): 2026-12-07, -0.02 % and -0.01 %;
     before, +0.44 % and +0.37 % (both masks held to block 0's backward: the full one, 32 KB, is
     gone by then)."""
-    from validation.fake_memory_child import measure_fake_memory_subprocess
-    from validation.memory_only import compare_memory
-
-    scenario = _gemma2(tmp_path, checkpointing)
-    measured = measure_fake_memory_subprocess(scenario, [], 300.0)
-    row = compare_memory(load_scenario(scenario), measured).rows[0]
+    row, _ = real_step_peak(_gemma2(tmp_path, checkpointing), [])
     assert abs(row.predicted / row.measured - 1) <= 1e-3

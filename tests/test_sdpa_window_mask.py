@@ -8,16 +8,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from simtest import HF_CONFIGS, real_step_peak, tiny_with_config
 
-from sim.scenario.loader import load_scenario
 from sim.workload.attention_kernel import attention_kernel_figures, attention_saved_pieces
 from sim.workload.layers import stack_masks
 from sim.workload.shapes import AttentionShape, Workload
-from validation.fake_memory_child import measure_fake_memory_subprocess
-from validation.memory_only import compare_memory
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "tests" / "data" / "hf"
 B, S, H, KV, D = 2, 64, 4, 2, 16  # tiny-mistral: 4 query heads, 2 key/value heads, window 32
 SHAPE = AttentionShape(batch=B, seq_len=S, heads=H, kv_heads=KV, head_dim=D, window=32)
 
@@ -52,7 +48,7 @@ def _mistral_ops(kernel: str) -> tuple[list, Workload]:
     from sim.workload.model import ModelConfig
 
     data = describe(
-        json.loads((DATA / "tiny-mistral.json").read_text()),
+        json.loads((HF_CONFIGS / "tiny-mistral.json").read_text()),
         micro_batch=B,
         seq_len=S,
         dtype="bf16",
@@ -78,13 +74,10 @@ def test_the_real_mistral_step_peaks_as_simulated(tmp_path: Path, mode: str) -> 
     mask), fp32, 2 ranks, 2 x 64 tokens: 2026-12-07, -0.00 % and -0.06 % (tiny-llama's own
     residual there); before, -3.5 % and -2.6 % (the copies and the converted masks missing)."""
     pytest.importorskip("transformers")
-    path = tmp_path / "mistral.toml"
-    text = (ROOT / "scenarios" / "tiny.toml").read_text()
-    path.write_text(text.replace('preset = "tiny"', f'config = "{DATA / "tiny-mistral.json"}"'))
-    sets = [f"checkpointing.mode={mode}"]
-    measured = measure_fake_memory_subprocess(str(path), sets, 300.0)
+    row, measured = real_step_peak(
+        tiny_with_config(tmp_path, "tiny-mistral.json"), [f"checkpointing.mode={mode}"]
+    )
     assert measured["kernels"]["attention_mask"] == ["mask"]
-    row = compare_memory(load_scenario(str(path), sets), measured).rows[0]
     assert abs(row.predicted / row.measured - 1) <= 1e-3
 
 
@@ -129,10 +122,6 @@ def test_gemma3s_sliding_layers_get_the_mask_and_its_global_ones_the_causal_flag
     reads +0.25 % with or without a window the keys reach: a residual of Gemma 3's own, the mask's
     share predicted to the byte (69,632 B)."""
     pytest.importorskip("transformers")
-    path = tmp_path / "gemma3.toml"
-    text = (ROOT / "scenarios" / "tiny.toml").read_text()
-    path.write_text(text.replace('preset = "tiny"', f'config = "{DATA / "tiny-gemma3.json"}"'))
-    measured = measure_fake_memory_subprocess(str(path), [], 300.0)
+    row, measured = real_step_peak(tiny_with_config(tmp_path, "tiny-gemma3.json"), [])
     assert measured["kernels"]["attention_mask"] == ["mask", "is_causal"]
-    row = compare_memory(load_scenario(str(path), []), measured).rows[0]
     assert abs(row.predicted / row.measured - 1) <= 1e-3
