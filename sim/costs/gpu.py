@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from sim.dtypes import dtype_bytes
 from sim.hardware.schema import AttentionCurve, DeviceSpec
+from sim.workload.attention_kernel import fused_kernel
 from sim.workload.layer_op import LayerKind, LayerOp
 from sim.workload.shapes import AttentionShape
 
@@ -108,12 +109,12 @@ class GpuKernelModel:
         bias, ``create_position_bias_mask``), SDPA cannot run flash, which takes none:
         memory-efficient attention over every pair (torch 2.13 ``sdp_utils``: flash requires
         ``attn_mask`` to be None; ``is_causal`` is off, the causality only in the mask)."""
-        if kernel not in ("math", "eager") and (shape.sdpa_window_mask or shape.bias):
+        if fused_kernel(kernel) and (shape.sdpa_window_mask or shape.bias):
             kernel, shape = "efficient", replace(shape, causal=False, window=None)
         fwd_flops = 4.0 * shape.batch * shape.seq_len * shape.kv_len * shape.heads * shape.head_dim
         if shape.causal:
             fwd_flops /= 2
-        rate = self.attention_rate(shape, kernel) if kernel not in ("math", "eager") else None
+        rate = self.attention_rate(shape, kernel) if fused_kernel(kernel) else None
         if rate is not None:
             return fwd_flops / rate, FA_BACKWARD_OVER_FORWARD * fwd_flops / rate
         # the math path: QKᵀ and AV as batched matmuls, softmax over the fp32 scores

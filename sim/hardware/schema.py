@@ -17,7 +17,6 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 BACKENDS = ("nccl", "gloo")
 # "math": SDPA's math path; "eager": a model's own eager attention (matmul, fp32 softmax, cast)
 ATTENTION_KERNELS = ("flash", "cudnn", "efficient", "math", "eager")
-UNFUSED_ATTENTION_KERNELS = ("math", "eager")  # both hold the s² scores
 
 
 @dataclass(frozen=True, kw_only=True)

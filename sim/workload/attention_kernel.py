@@ -102,8 +102,14 @@ def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
     return per_batch, shape.batch * per_batch if shape.bias_grad else 0
 
 
+def fused_kernel(kernel: str) -> bool:
+    """Whether ``kernel`` is one of SDPA's fused kernels (flash, memory-efficient, cuDNN), not the
+    math path or a model's eager attention."""
+    return kernel not in ("math", "eager")
+
+
 def _fused(w: Workload) -> bool:
-    return w.attention_kernel not in ("math", "eager")
+    return fused_kernel(w.attention_kernel)
 
 
 def window_mask_bytes(shape: AttentionShape, w: Workload) -> int:
