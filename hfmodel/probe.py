@@ -69,8 +69,12 @@ class _Empty(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.backward_started()  # before the kernel's gradients exist: what the model holds
+        # q, k and v's gradients always (a fused kernel's backward makes all three, needed or
+        # not: a frozen projection's k under LoRA); the bias's only where it needs one, as SDPA's
+        # kernels make it (T5's zero cross-attention bias needs none)
         grads = tuple(grad.new_empty(shape, dtype=dtype) for shape, dtype in ctx.shapes)
-        bias = None if ctx.bias is None else grad.new_empty(ctx.bias[0], dtype=ctx.bias[1])
+        wanted = ctx.bias is not None and ctx.needs_input_grad[3]
+        bias = grad.new_empty(ctx.bias[0], dtype=ctx.bias[1]) if wanted else None
         return (*grads, bias, None)
 
 

@@ -39,6 +39,7 @@ from sim.workload.loss import output_logits_bytes
 from sim.workload.model import ModelConfig
 from sim.workload.options import AttentionImpl, OutputFormat, Strategy, WrapPolicy
 from sim.workload.shapes import Workload
+from sim.workload.stack_bias import stack_biases
 from sim.workload.units import build_segments, build_units
 
 MASTER_DTYPE = "fp32"  # FSDP2 keeps sharded parameters, gradients and optimizer states in fp32
@@ -184,6 +185,7 @@ def build_step(
         if training.keep_outputs
         else 0,
         stack_masks=stack_masks(ops, workload),
+        stack_biases=stack_biases(model, workload),
         buffer_bytes=model_buffer_bytes(model)
         * dtype_bytes(_buffer_dtype(scenario))
         // dtype_bytes(MASTER_DTYPE),

@@ -1,7 +1,7 @@
 """Where a step's long-lived activations begin and end, as pure functions of the step: the output
 a kept-outputs loop holds from the previous micro-batch, a KV cache's appends under checkpointing
 and the checkpoint region that holds it, the segment that runs a block's attention, the eager
-attention masks' first and last segment. ``sim.schedule.base.ScheduleBuilder`` allocates and
+attention masks' first and last segment, a stack bias's accumulated gradient. ``sim.schedule.base.ScheduleBuilder`` allocates and
 frees at the points these name.
 """
 
@@ -83,6 +83,38 @@ def first_of_block(cfg: StepConfig, i: int) -> bool:
     """Whether segment ``i`` is its block's first (or the step's first segment)."""
     segs = cfg.segments
     return i == 0 or segs[i - 1].block != segs[i].block
+
+
+def last_of_block(cfg: StepConfig, i: int) -> bool:
+    """Whether segment ``i`` is its block's last (the first of it backward runs)."""
+    segs = cfg.segments
+    return i == len(segs) - 1 or segs[i + 1].block != segs[i].block
+
+
+def bias_grads_begun(cfg: StepConfig, i: int) -> list[int]:
+    """The stack biases (by their place in ``StepConfig.stack_biases``) whose accumulated
+    gradient begins as segment ``i``'s backward ends: the last block given the bias, at the end of
+    its backward (its first segment's), where the block's own gradient becomes the buffer the
+    others add into (``StackBias.accumulates``)."""
+    segs = cfg.segments
+    return [
+        k
+        for k, bias in enumerate(cfg.stack_biases)
+        if bias.accumulates and segs[i].block == bias.last_user and first_of_block(cfg, i)
+    ]
+
+
+def bias_grads_ended(cfg: StepConfig, i: int) -> list[int]:
+    """The stack biases whose accumulated gradient goes as segment ``i``'s backward starts: the
+    backward of the block that made the bias (the stack's first, right before the first user),
+    whose own figures hold that gradient until its attention consumes it (after its recompute,
+    through which the real step holds it too)."""
+    segs = cfg.segments
+    return [
+        k
+        for k, bias in enumerate(cfg.stack_biases)
+        if bias.accumulates and segs[i].block == bias.first_user - 1 and last_of_block(cfg, i)
+    ]
 
 
 def first_block_segment(cfg: StepConfig) -> int | None:

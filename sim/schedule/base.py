@@ -15,6 +15,8 @@ from sim.core.events import MemoryCategory, OpKind, RequestOrder
 from sim.core.program import Alloc, Program
 from sim.schedule.activation_life import (
     attention_segment,
+    bias_grads_begun,
+    bias_grads_ended,
     cache_appends,
     cache_holder,
     first_block_segment,
@@ -44,6 +46,9 @@ class Activations:
     # each of the decoder stack's attention masks (by its place in ``StepConfig.stack_masks``): its
     # label, while it lives
     stack_masks: dict[int, str] = field(default_factory=dict)
+    # each accumulated stack-bias gradient (by its place in ``StepConfig.stack_biases``): its
+    # label, while it lives
+    bias_grads: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,7 +359,11 @@ class ScheduleBuilder(OpEmitter):
         if i in acts.kept:
             frees.append(acts.kept.pop(i))
         frees += self._block_input_frees(i, acts)
-        end_allocs = (*end_allocs, *self._kept_output_cache(i, mb, acts))
+        end_allocs = (
+            *end_allocs,
+            *self._kept_output_cache(i, mb, acts),
+            *self._bias_grads_begun(i, mb, acts),
+        )
         # the gradients the segment's ops make before its last op's backward are alive beside it
         kept = sum(a.bytes for a in end_allocs if a.category is MemoryCategory.GRADS)
         held_bytes, held_pieces = fig.backward_held(
@@ -377,9 +386,27 @@ class ScheduleBuilder(OpEmitter):
             ),
             frees=tuple(frees),
             end_allocs=end_allocs,
+            start_frees=tuple(
+                acts.bias_grads.pop(k) for k in bias_grads_ended(self.cfg, i) if k in acts.bias_grads
+            ),
             host_s=fig.backward_host_s,
             launches=fig.backward_launches,
         )
+
+    def _bias_grads_begun(self, i: int, mb: int, acts: Activations) -> tuple[Alloc, ...]:
+        """The stack biases' accumulated gradients segment ``i``'s backward leaves
+        (``bias_grads_begun``), alive until the backward of the block that made the bias."""
+        allocs = []
+        for k in bias_grads_begun(self.cfg, i):
+            acts.bias_grads[k] = self.label("bias_grad" if k == 0 else f"bias_grad#{k}", ROOT, mb)
+            allocs.append(
+                Alloc(
+                    label=acts.bias_grads[k],
+                    category=MemoryCategory.OTHER,
+                    bytes=self.cfg.stack_biases[k].bytes,
+                )
+            )
+        return tuple(allocs)
 
     def _block_input_frees(self, i: int, acts: Activations) -> list[str]:
         """What the first backward segment of a block releases: the block's kept input, and the

@@ -22,6 +22,7 @@ from sim.workload.options import (
     ZeroOptions,
 )
 from sim.workload.params import ParamSpec
+from sim.workload.stack_bias import StackBias
 from sim.workload.units import (
     Segment,
     WrapUnit,
@@ -76,6 +77,9 @@ class StepConfig:
     # block (eager: float; SDPA given a window: boolean), each with the blocks given it
     # (``sim.workload.layers.stack_masks``); (): none
     stack_masks: tuple[StackMask, ...] = ()
+    # the attention biases an encoder-decoder's stacks make in their first block and give every
+    # later one (``sim.workload.stack_bias.stack_biases``); (): none
+    stack_biases: tuple[StackBias, ...] = ()
     buffer_bytes: int  # unsharded module buffers (RoPE inverse frequencies)
     collective_temp_buffers: bool
     ddp_bucket_bytes: int

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from sim.workload.model import ModelConfig
 from sim.workload.options import CheckpointMode
 from sim.workload.shapes import Workload
+from sim.workload.stack_bias import stack_biases
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,28 +46,19 @@ def block_input_bytes(cfg: ModelConfig, w: Workload) -> tuple[int, ...]:
     its recomputation needs): its hidden states, tokens × hidden, and, of an encoder-decoder's
     blocks after the first of a stack, the attention biases the stack's first block made and
     every later block takes as an input (T5's relative position bias, ``position_bias``, and the
-    decoder's zero cross-attention bias), once per stack. A decoder's blocks all take the
+    decoder's zero cross-attention bias; ``sim.workload.stack_bias``), once per stack. A decoder's blocks all take the
     micro-batch's tokens; an encoder-decoder's decoder blocks its decoder's."""
     d = cfg.description
     if d is None:
         return (w.tokens * cfg.hidden * w.act_bytes,) * cfg.n_layers
-    stacks = [b.rpartition(".")[0] for b in d.blocks]
     tokens = [w.tokens] * len(d.blocks)
-    biases: dict[tuple[str, bool], tuple[int, int]] = {}  # (stack, cross) -> (first block, bytes)
     for op in d.ops:
         a, b = op.attention, op.block
-        if a is None or b is None:
-            continue
-        if a.kv_seq_len is None:  # a self-attention: the block's own tokens
+        if a is not None and b is not None and a.kv_seq_len is None:  # a self-attention: its tokens
             tokens[b] = a.batch * a.seq_len
-        first_of_stack = b == 0 or stacks[b - 1] != stacks[b]
-        if not a.bias or first_of_stack:
-            continue
-        key = (stacks[b], a.kv_seq_len is not None)
-        biases.setdefault(key, (b, a.heads * a.seq_len * (a.kv_seq_len or a.seq_len) * w.act_bytes))
     out = [t * cfg.hidden * w.act_bytes for t in tokens]
-    for block, nbytes in biases.values():
-        out[block] += nbytes
+    for bias in stack_biases(cfg, w):
+        out[bias.first_user] += bias.bytes
     return tuple(out)
 
 

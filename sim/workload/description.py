@@ -37,8 +37,9 @@ from sim.workload.params import ParamSpec
 # ``backward_transient_pieces``); 9: ops' ``saved_released_ahead``; 10: ops' ``forward_launches``
 # and ``backward_launches``; 11: ops' ``forward_requests``, ``checkpointed_forward_requests`` and
 # ``backward_requests``; 12: ops' ``next_block_input_bytes``; 13: attention calls'
-# ``query_not_bshd``
-DESCRIPTION_VERSION = 13
+# ``query_not_bshd``; 14: the probe makes no gradient for a bias that needs none (T5's zero
+# cross-attention bias: a version 13 file counts one in that call's backward transient)
+DESCRIPTION_VERSION = 14
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
