@@ -214,3 +214,16 @@ def test_eager_builds_a_float_mask_for_the_decoders_causal_calls_alone(t5: Model
     w = _workload("eager")
     masks = stack_masks(layer_ops(t5, w), w)
     assert [(m.bytes, sorted(m.blocks)) for m in masks] == [(B * T * T * A, [3, 4])]
+
+
+def test_a_causal_call_given_the_bias_computes_every_pair() -> None:
+    """The decoder's causal self-attention hands SDPA its bias with the causal triangle filled in
+    (``create_position_bias_mask``), so ``is_causal`` is off: a fused kernel computes every pair,
+    in the FLOPs as in the GPU kernel model's time (memory-efficient, non-causal); without a bias
+    a causal call computes half of them."""
+    causal = AttentionShape(batch=B, seq_len=T, heads=H, kv_heads=H, head_dim=16, causal=True)
+    biased = replace(causal, bias=True, bias_grad=True)
+    assert biased.sdpa_given_mask and not causal.sdpa_given_mask
+    every_pair = 4.0 * B * T * T * H * 16
+    assert attention_kernel_figures(biased, _workload())[0] == every_pair
+    assert attention_kernel_figures(causal, _workload())[0] == every_pair / 2

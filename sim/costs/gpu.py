@@ -105,11 +105,11 @@ class GpuKernelModel:
 
     def attention_s(self, shape: AttentionShape, kernel: str) -> tuple[float, float]:
         """(forward, backward) seconds of one attention call. Given a mask by transformers' SDPA
-        path (``AttentionShape.sdpa_window_mask``: a sliding window the keys reach; T5's position
+        path (``AttentionShape.sdpa_given_mask``: a sliding window the keys reach; T5's position
         bias, ``create_position_bias_mask``), SDPA cannot run flash, which takes none:
         memory-efficient attention over every pair (torch 2.13 ``sdp_utils``: flash requires
         ``attn_mask`` to be None; ``is_causal`` is off, the causality only in the mask)."""
-        if fused_kernel(kernel) and (shape.sdpa_window_mask or shape.bias):
+        if fused_kernel(kernel) and shape.sdpa_given_mask:
             kernel, shape = "efficient", replace(shape, causal=False, window=None)
         fwd_flops = 4.0 * shape.batch * shape.seq_len * shape.kv_len * shape.heads * shape.head_dim
         if shape.causal:

@@ -253,9 +253,10 @@ def attention_kernel_figures(
     A fused kernel (flash, memory-efficient, cuDNN) keeps q, k, v, its output and the fp32
     log-sum-exp, and its backward an fp32 dq accumulator; causal masking halves its FLOPs and a
     sliding window skips the pairs outside it; its dropout keeps a random seed, not a mask. Given
-    a mask by transformers' SDPA path (``AttentionShape.sdpa_window_mask``) it keeps k and v as
-    ``repeat_kv`` copies them to every query head and the converted mask, and computes every
-    pair (``is_causal`` off, the window only in the mask). The
+    a mask by transformers' SDPA path (``AttentionShape.sdpa_given_mask``) it computes every pair
+    (``is_causal`` off, the window or causality only in the mask); a window's mask it keeps, with k
+    and v as ``repeat_kv`` copies them to every query head (``sdpa_window_mask``), a bias as
+    ``_fused_bias_bytes`` says. The
     math path keeps fp32 copies and the s² softmax (``_math_figures``), a model's eager attention
     its s² tensors op by op (``_eager_figures``). ``output_saved=False``
     when the output is counted elsewhere (a described model measures it at the output
@@ -282,7 +283,7 @@ def attention_kernel_figures(
     else:
         saved, fwd_transient, bwd_transient = _math_figures(shape, w, output_saved)
     width = shape.heads * shape.flops_head_dim
-    if flash and shape.sdpa_window_mask:  # every pair, the window only in the mask
+    if flash and shape.sdpa_given_mask:  # every pair, the window or causality only in the mask
         flops = 4.0 * t * s * width
     elif flash and shape.window is not None and shape.window < s:  # keys attended per query, on average
         pairs = shape.window - shape.window**2 / (2.0 * s) if shape.causal else 2.0 * shape.window

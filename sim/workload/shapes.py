@@ -67,6 +67,14 @@ class AttentionShape:
         return not self.softcap and self.causal and self.window is not None and self.kv_len >= self.window
 
     @property
+    def sdpa_given_mask(self) -> bool:
+        """Whether transformers' SDPA path hands the kernel a mask of any kind: a reached window
+        (``sdpa_window_mask``) or an additive bias (T5's position bias, ``create_position_bias_mask``,
+        the causal triangle filled into it). Then ``is_causal`` is off and a fused kernel computes
+        every pair, the masking only in the mask: its FLOPs and its time (``sim.costs.gpu``)."""
+        return self.sdpa_window_mask or self.bias
+
+    @property
     def flops_head_dim(self) -> float:
         """The head dimension of the FLOP count: QKᵀ runs on ``head_dim``, AV on ``v_head_dim``."""
         return self.head_dim if self.v_head_dim is None else (self.head_dim + self.v_head_dim) / 2
