@@ -25,6 +25,10 @@ forward is running), or by the attention probe (``hfmodel.probe``). For each op:
 - ``checkpointed_forward_bytes`` (block ops): the most alive during the op of what its block's
   ops created, were the block checkpointed: a storage autograd saves then lives only to its last
   use in the forward, the others as they did (each through the step of its last use).
+- ``recompute_transient_bytes`` (block ops): ``forward_transient_bytes`` counting only what its
+  block's ops created: as the block's recompute holds it, when the tensors made before the block
+  that the traced forward still held (a stack's attention biases and masks, which a checkpoint
+  region keeps among its inputs) are the schedule's own buffers.
 Each byte figure has its tensors beside it (``*_pieces``, storage sizes in the order they were
 created: the saved storages; for a peak, those alive at its step), which the caching allocator's
 replay serves one by one as the program does.
@@ -87,11 +91,13 @@ class OpRecord:
     forward_launches: int = 0
     backward_launches: int = 0
     checkpointed_forward_bytes: int = 0
+    recompute_transient_bytes: int = 0
     # the storages that make up each figure (see the module docstring)
     saved_pieces: list[int] = field(default_factory=list)
     forward_transient_pieces: tuple[int, ...] = ()
     backward_transient_pieces: tuple[int, ...] = ()
     checkpointed_forward_pieces: tuple[int, ...] = ()
+    recompute_transient_pieces: tuple[int, ...] = ()
     # the order of its forward's allocations and frees (see the module docstring)
     forward_requests: list[tuple[int, int]] = field(default_factory=list)
     checkpointed_forward_requests: list[tuple[int, int]] = field(default_factory=list)

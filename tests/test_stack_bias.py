@@ -158,3 +158,43 @@ def test_the_probe_makes_a_bias_gradient_only_where_the_bias_needs_one(deep: Mod
     assert bias not in calls["EncDecAttention"].backward_transient_pieces
     for op in calls.values():
         assert op.backward_transient_bytes >= qkv
+
+
+def test_a_recomputed_block_holds_only_what_its_own_ops_make(deep: ModelConfig) -> None:
+    """The traced forward holds the biases the decoder's first block made (and the other tensors
+    made before the block) through every op of a later block, where they count in the op's forward
+    transient; a checkpoint region keeps the biases among its inputs, which the schedule holds as
+    the block's kept input. So the block's recompute holds its transient of what its own ops make
+    (``recompute_transient_bytes``): the forward transient less the same bytes at every op, the
+    two biases among them; and the schedule's recompute allocates that figure."""
+    d = deep.description
+    assert d is not None
+    block = ENCODER_BLOCKS + 2  # a decoder block the trace copies
+    ops = [op for op in d.ops if op.block == block]
+    outside = {op.forward_transient_bytes - op.recompute_transient_bytes for op in ops}
+    assert len(outside) == 1 and outside.pop() >= 2 * H * S * S * A
+    events = _step(deep, checkpointing="full")
+    temps = [
+        m
+        for m in events.memory_of(0)
+        if m.label.startswith(f"recompute_temp:decoder.block.{block - ENCODER_BLOCKS}:") and m.delta_bytes > 0
+    ]
+    from sim.simulate import build_step
+
+    step, _, _ = build_step(
+        replace(
+            make_scenario(
+                model={"preset": "tiny"},
+                training={"micro_batch": B, "seq_len": S},
+                precision={"param_dtype": "bf16"},
+                checkpointing={"mode": "full"},
+            ),
+            model=deep,
+        ),
+        make_profile(overlap=False),
+    )
+    [i] = [j for j, s in enumerate(step.segments) if s.block == block]
+    fig = step.figures[i]
+    assert fig.recompute_transient_bytes is not None
+    assert fig.recompute_transient_bytes < fig.forward_transient_bytes
+    assert [m.delta_bytes for m in temps] == [fig.recompute_transient_bytes]

@@ -126,12 +126,18 @@ class SegmentFigures:
     # a checkpointed block's segment: the most its block holds while the segment runs (measured
     # for described models, ``LayerOp.checkpointed_forward_bytes``); None: saved + transient
     checkpointed_forward_bytes: int | None = None
+    # a checkpointed block's segment as its block is recomputed: its transient of what the block's
+    # ops make (``LayerOp.recompute_transient_bytes``; what the traced forward held from before the
+    # block, a stack's biases and masks, a checkpoint region keeps among its inputs, which the
+    # schedule holds as its own buffers); None: the forward transient
+    recompute_transient_bytes: int | None = None
     # the tensors of the byte figures, in allocation order, where the ops know them (empty: one
     # block); the caching allocator's replay serves them one by one where no order is known
     saved_pieces: tuple[int, ...] = ()
     forward_transient_pieces: tuple[int, ...] = ()
     backward_transient_pieces: tuple[int, ...] = ()
     checkpointed_forward_pieces: tuple[int, ...] = ()
+    recompute_transient_pieces: tuple[int, ...] = ()
     # the order of the forward's requests, its saved tensors and its transient's interleaved as
     # the ops make and free them (``request_order``), and where the block is checkpointed; None:
     # not known, the tensors above then serve
@@ -278,6 +284,12 @@ class ComputeCosts:
         measured = all(self._scale(op, q) == 1.0 for op in seg.ops for q in ("saved", *TRANSIENTS))
 
         forward_transient, forward_pieces = self._beyond_saved(seg, saved, "forward_transient", measured)
+        recompute_transient: int | None = None
+        recompute_pieces: tuple[int, ...] = ()
+        if all(op.recompute_transient_bytes is not None for op in seg.ops):
+            recompute_transient, recompute_pieces = self._beyond_saved(
+                seg, saved, "recompute_transient", measured, scale_as="forward_transient"
+            )
         trainable = [tuple(p.numel for p in op.params if p.trainable) for op in seg.ops]
         steps = self._backward_steps(seg, saved, trainable, measured)
         backward_transient = 0
@@ -319,6 +331,8 @@ class ComputeCosts:
             else checkpointed.checkpointed_forward_bytes,
             saved_pieces=tuple(n for op in seg.ops for n in op.tensors("saved")) if measured else (),
             forward_transient_pieces=forward_pieces,
+            recompute_transient_bytes=recompute_transient,
+            recompute_transient_pieces=recompute_pieces,
             backward_transient_pieces=backward_pieces,
             # not under a calibrated group scale: its CPU measurement counts a backward's frees at
             # its end (``calibrate.memtrack.peak_above_start``), an upper bound whose slack already
@@ -337,7 +351,7 @@ class ComputeCosts:
         )
 
     def _beyond_saved(
-        self, seg: Segment, saved: list[float], quantity: str, measured: bool
+        self, seg: Segment, saved: list[float], quantity: str, measured: bool, *, scale_as: str = ""
     ) -> tuple[int, tuple[int, ...]]:
         """The segment's transient, on top of all its saved bytes (which the schedule holds for
         the whole op): ops run one after another, and while op i runs the segment holds what ops
@@ -346,7 +360,7 @@ class ComputeCosts:
         kept, peak, at = 0.0, 0.0, None
         for op, nbytes in zip(seg.ops, saved, strict=True):
             kept += nbytes
-            here = kept + getattr(op, f"{quantity}_bytes") * self._scale(op, quantity)
+            here = kept + (getattr(op, f"{quantity}_bytes") or 0) * self._scale(op, scale_as or quantity)
             if here > peak:
                 peak, at = here, op
         nbytes = max(0, round(peak) - round(sum(saved)))

@@ -300,12 +300,7 @@ class ScheduleBuilder(OpEmitter):
                     bytes=recomputed_bytes,
                     pieces=pieces,
                 ),
-                Alloc(
-                    label=transient,
-                    category=MemoryCategory.OTHER,
-                    bytes=fig.forward_transient_bytes,
-                    pieces=fig.tensors("forward_transient"),
-                ),
+                self._recompute_transient(i, transient),
                 fig.forward_order if whole and not selective else None,
             )
             op = self.compute(
@@ -322,6 +317,19 @@ class ScheduleBuilder(OpEmitter):
             )
             start_frees = ()
             self._after_recompute(i, op)
+
+    def _recompute_transient(self, i: int, label: str) -> Alloc:
+        """What segment ``i``'s recompute holds beyond its saves while it runs: what its block's
+        ops make (``SegmentFigures.recompute_transient_bytes``), where measured; else its forward
+        transient."""
+        fig = self.cfg.figures[i]
+        figure = "forward_transient" if fig.recompute_transient_bytes is None else "recompute_transient"
+        return Alloc(
+            label=label,
+            category=MemoryCategory.OTHER,
+            bytes=getattr(fig, f"{figure}_bytes"),
+            pieces=fig.tensors(figure),
+        )
 
     def _before_recompute(self, i: int, mb: int) -> None:
         """Just before segment ``i``'s recompute is issued (FSDP2 gathers its unit again, then

@@ -103,6 +103,12 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
         saved_pieces=_joined(base.saved_bytes, base.saved_pieces, *qkv, *own, *out, a.extra_saved_bytes),
         forward_transient_bytes=base.forward_transient_bytes + fwd,
         forward_transient_pieces=_joined(base.forward_transient_bytes, base.forward_transient_pieces, fwd),
+        recompute_transient_bytes=None
+        if base.recompute_transient_bytes is None
+        else base.recompute_transient_bytes + fwd,
+        recompute_transient_pieces=_joined(
+            base.recompute_transient_bytes, base.recompute_transient_pieces, fwd
+        ),
         # checkpointed: what the kernel makes and keeps or holds while it runs; its inputs as the
         # model hands them (q, k and v at the KV heads) and its output are already the block's
         checkpointed_forward_bytes=None
@@ -190,6 +196,12 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
         forward_transient_pieces=_joined(
             op.forward_transient_bytes, op.forward_transient_pieces, *forward_pieces
         ),
+        recompute_transient_bytes=None
+        if op.recompute_transient_bytes is None
+        else op.recompute_transient_bytes + forward_dequant,
+        recompute_transient_pieces=_joined(
+            op.recompute_transient_bytes, op.recompute_transient_pieces, *forward_pieces
+        ),
         checkpointed_forward_bytes=None
         if op.checkpointed_forward_bytes is None
         else op.checkpointed_forward_bytes + forward_dequant,
@@ -224,6 +236,8 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload) -> Laye
         forward_transient_bytes=op.forward_transient_bytes,
         backward_transient_bytes=op.backward_transient_bytes,
         checkpointed_forward_bytes=op.checkpointed_forward_bytes if op.block is not None else None,
+        recompute_transient_bytes=op.recompute_transient_bytes if op.block is not None else None,
+        recompute_transient_pieces=op.recompute_transient_pieces if op.block is not None else (),
         saved_pieces=op.saved_pieces,
         forward_transient_pieces=op.forward_transient_pieces,
         backward_transient_pieces=op.backward_transient_pieces,

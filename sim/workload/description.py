@@ -38,8 +38,9 @@ from sim.workload.params import ParamSpec
 # and ``backward_launches``; 11: ops' ``forward_requests``, ``checkpointed_forward_requests`` and
 # ``backward_requests``; 12: ops' ``next_block_input_bytes``; 13: attention calls'
 # ``query_not_bshd``; 14: the probe makes no gradient for a bias that needs none (T5's zero
-# cross-attention bias: a version 13 file counts one in that call's backward transient)
-DESCRIPTION_VERSION = 14
+# cross-attention bias: a version 13 file counts one in that call's backward transient); 15: block
+# ops' ``recompute_transient_bytes``
+DESCRIPTION_VERSION = 15
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
@@ -90,11 +91,15 @@ class DescribedOp:
     # a block op's: what its block's ops hold during it when the block is checkpointed (nothing
     # saved: each storage to its last forward use), the attention kernel's own work excepted
     checkpointed_forward_bytes: int = 0
+    # a block op's: its forward transient of what its block's ops made alone, as the block's
+    # recompute holds it (what the forward held from before the block is the schedule's)
+    recompute_transient_bytes: int = 0
     # the storages each figure is made of, in creation order (``hfmodel.trace``)
     saved_pieces: tuple[int, ...] = ()
     forward_transient_pieces: tuple[int, ...] = ()
     checkpointed_forward_pieces: tuple[int, ...] = ()
     backward_transient_pieces: tuple[int, ...] = ()
+    recompute_transient_pieces: tuple[int, ...] = ()
     # its forward's allocations and frees in order, as (storage, bytes): bytes > 0 a storage the
     # forward frees, < 0 one kept for backward, 0 the free of the storage (``hfmodel.trace``);
     # and where its block is checkpointed (nothing kept); its backward's, where a free of a kept
@@ -263,9 +268,16 @@ def _op(raw: Any, where: str) -> DescribedOp:
         forward_transient_bytes=r.get("forward_transient_bytes", int),
         backward_transient_bytes=r.get("backward_transient_bytes", int),
         checkpointed_forward_bytes=r.get("checkpointed_forward_bytes", int),
+        recompute_transient_bytes=r.get("recompute_transient_bytes", int),
         **{
             f"{figure}_pieces": _pieces(r, figure, where)
-            for figure in ("saved", "forward_transient", "checkpointed_forward", "backward_transient")
+            for figure in (
+                "saved",
+                "forward_transient",
+                "checkpointed_forward",
+                "backward_transient",
+                "recompute_transient",
+            )
         },
         forward_requests=_requests(r, "forward_requests", where),
         checkpointed_forward_requests=_requests(r, "checkpointed_forward_requests", where),

@@ -77,12 +77,16 @@ class LayerOp:
     # what its block holds during it when the block is checkpointed (measured for described
     # models' block ops; None: the analytic ones, whose checkpointed segments hold saved + transient)
     checkpointed_forward_bytes: int | None = None
+    # what it holds beyond the saves as its block is recomputed: its forward transient of what its
+    # block's ops made (measured for described models' block ops; None: the forward transient)
+    recompute_transient_bytes: int | None = None
     # the tensors each byte figure above is made of, in allocation order, where known (a
     # described model's, measured; the attention kernel's from its formulas); empty: one tensor
     saved_pieces: tuple[int, ...] = ()
     forward_transient_pieces: tuple[int, ...] = ()
     backward_transient_pieces: tuple[int, ...] = ()
     checkpointed_forward_pieces: tuple[int, ...] = ()
+    recompute_transient_pieces: tuple[int, ...] = ()
     # the order of its forward's allocations and frees (``Request``s), and where its block is
     # checkpointed; None: not known (the analytic ops), the figures' tensors then serve
     forward_requests: tuple[Request, ...] | None = None
