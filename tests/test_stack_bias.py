@@ -11,7 +11,7 @@ import pytest
 from simtest import make_profile, make_scenario
 
 from sim.core.events import OpKind
-from sim.simulate import simulate
+from sim.simulate import build_step, simulate
 from sim.workload.checkpointing import block_input_bytes
 from sim.workload.description import parse_description
 from sim.workload.model import ModelConfig
@@ -71,15 +71,20 @@ def test_only_a_learned_bias_given_to_blocks_the_trace_copies_accumulates(deep: 
     assert [b.accumulates for b in two] == [True, False, False]  # 3 encoder blocks, 2 decoder ones
 
 
-def _step(model: ModelConfig, *, checkpointing: str = "none", **training: object):
+def _scenario(model: ModelConfig, *, checkpointing: str = "none", **training: object):
     base = make_scenario(
         model={"preset": "tiny"},
         training={"micro_batch": B, "seq_len": S, **training},
         precision={"param_dtype": "bf16"},
         checkpointing={"mode": checkpointing},
     )
-    scenario = replace(base, model=model)
-    return simulate(scenario, make_profile(overlap=False)).events
+    return replace(base, model=model)
+
+
+def _step(model: ModelConfig, *, checkpointing: str = "none", **training: object):
+    return simulate(
+        _scenario(model, checkpointing=checkpointing, **training), make_profile(overlap=False)
+    ).events
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
@@ -179,20 +184,7 @@ def test_a_recomputed_block_holds_only_what_its_own_ops_make(deep: ModelConfig) 
         for m in events.memory_of(0)
         if m.label.startswith(f"recompute_temp:decoder.block.{block - ENCODER_BLOCKS}:") and m.delta_bytes > 0
     ]
-    from sim.simulate import build_step
-
-    step, _, _ = build_step(
-        replace(
-            make_scenario(
-                model={"preset": "tiny"},
-                training={"micro_batch": B, "seq_len": S},
-                precision={"param_dtype": "bf16"},
-                checkpointing={"mode": "full"},
-            ),
-            model=deep,
-        ),
-        make_profile(overlap=False),
-    )
+    step, _, _ = build_step(_scenario(deep, checkpointing="full"), make_profile(overlap=False))
     [i] = [j for j, s in enumerate(step.segments) if s.block == block]
     fig = step.figures[i]
     assert fig.recompute_transient_bytes is not None
