@@ -1,8 +1,8 @@
 """Where a step's long-lived activations begin and end, as pure functions of the step: the output
 a kept-outputs loop holds from the previous micro-batch, a KV cache's appends under checkpointing
 and the checkpoint region that holds it, the segment that runs a block's attention, the eager
-attention masks' first and last segment, a stack bias's accumulated gradient. ``sim.schedule.base.ScheduleBuilder`` allocates and
-frees at the points these name.
+attention masks' first and last segment, a stack bias's accumulated gradient.
+``sim.schedule.base.ScheduleBuilder`` allocates and frees at the points these name.
 """
 
 from sim.core.events import MemoryCategory
