@@ -109,6 +109,25 @@ def finish(
         ]
     if block_of is not None:
         _checkpointed_forward(tracer, block_of)
+        _recompute_transients(tracer, block_of)
+
+
+def _recompute_transients(tracer: Tracer, block_of: Callable[[OpRecord], int | None]) -> None:
+    """Each block op's ``recompute_transient_bytes``: its forward transient (as ``finish`` counts
+    it: what the forward does not save, alive at the op as it lived) of what its block's ops
+    created alone."""
+    blocks = [block_of(o) for o in tracer.ops]
+    unsaved: dict[int, list[tuple[int, int, int]]] = {}
+    for uid, nbytes, created, died, op, in_backward, _ in tracer.storages:
+        if not in_backward and blocks[op] is not None and uid not in tracer.saved:
+            unsaved.setdefault(blocks[op], []).append(
+                (created, tracer.step + 1 if died is None else died, nbytes)
+            )
+    for block, block_lives in unsaved.items():
+        windows = {o.index: o.aten_ops for o in tracer.ops if blocks[o.index] == block}
+        for index, figure in peak_sets_per_op(block_lives, windows, tracer.step).items():
+            o = tracer.ops[index]
+            o.recompute_transient_bytes, o.recompute_transient_pieces = figure
 
 
 def _backward_requests(tracer: Tracer, kept: set[int]) -> list[list[tuple[int, int]]]:
@@ -157,8 +176,7 @@ def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | N
     """Each block op's ``checkpointed_forward_bytes``: what its block's ops created and a
     checkpointed forward still holds at the op (non-reentrant checkpointing saves nothing, so a
     saved storage dies after its last forward use; the block's input, made by the block before,
-    is the checkpoint's and not counted here); and its ``recompute_transient_bytes``: of what its
-    block's ops created, what the forward does not save, alive at the op as it lived."""
+    is the checkpoint's and not counted here)."""
     blocks = [block_of(o) for o in tracer.ops]
     step_op = {step: o for o in tracer.ops for step in o.aten_ops}
     module_end: dict[str, int] = {}  # module path -> the last forward step of it or a submodule
@@ -169,7 +187,6 @@ def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | N
             prefix = ".".join(parts[:i])
             module_end[prefix] = max(module_end.get(prefix, 0), max(o.aten_ops, default=0))
     lives: dict[int, list[tuple[int, int, int]]] = {}
-    unsaved: dict[int, list[tuple[int, int, int]]] = {}  # a block's own unsaved storages, as they lived
     ends: dict[int, int | None] = {}  # the last step each storage of a block is held
     for uid, nbytes, created, died, op, in_backward, last_use in tracer.storages:
         block = blocks[op]
@@ -182,7 +199,6 @@ def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | N
             last = _held_until(tracer.ops[op].owner, step_op.get(last_use), last_use, module_end)
         else:
             last = tracer.step + 1 if died is None else died
-            unsaved.setdefault(block, []).append((created, tracer.step + 1 if died is None else died, nbytes))
         lives.setdefault(block, []).append((created, last + 1, nbytes))
         ends[uid] = last
     for block, block_lives in lives.items():
@@ -190,11 +206,6 @@ def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | N
         for index, figure in peak_sets_per_op(block_lives, windows, tracer.step).items():
             o = tracer.ops[index]
             o.checkpointed_forward_bytes, o.checkpointed_forward_pieces = figure
-    for block, block_lives in unsaved.items():  # as ``finish`` counts a forward's transients
-        windows = {o.index: o.aten_ops for o in tracer.ops if blocks[o.index] == block}
-        for index, figure in peak_sets_per_op(block_lives, windows, tracer.step).items():
-            o = tracer.ops[index]
-            o.recompute_transient_bytes, o.recompute_transient_pieces = figure
     for o, requests in zip(tracer.ops, _requests(tracer, set(), ends), strict=True):
         if blocks[o.index] is not None:
             o.checkpointed_forward_requests = requests
