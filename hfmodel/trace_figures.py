@@ -108,15 +108,15 @@ def finish(
             (uid, 0) for uid in sorted(inputs.get(o.index, ())) if uid not in tracer.saved
         ]
     if block_of is not None:
-        _checkpointed_forward(tracer, block_of)
-        _recompute_transients(tracer, block_of)
+        blocks = [block_of(o) for o in tracer.ops]
+        _checkpointed_forward(tracer, blocks)
+        _recompute_transients(tracer, blocks)
 
 
-def _recompute_transients(tracer: Tracer, block_of: Callable[[OpRecord], int | None]) -> None:
-    """Each block op's ``recompute_transient_bytes``: its forward transient (as ``finish`` counts
-    it: what the forward does not save, alive at the op as it lived) of what its block's ops
-    created alone."""
-    blocks = [block_of(o) for o in tracer.ops]
+def _recompute_transients(tracer: Tracer, blocks: list[int | None]) -> None:
+    """Each block op's ``recompute_transient_bytes`` (``blocks``: each op's block): its forward
+    transient (as ``finish`` counts it: what the forward does not save, alive at the op as it
+    lived) of what its block's ops created alone."""
     unsaved: dict[int, list[tuple[int, int, int]]] = {}
     for uid, nbytes, created, died, op, in_backward, _ in tracer.storages:
         if not in_backward and blocks[op] is not None and uid not in tracer.saved:
@@ -172,12 +172,11 @@ def _requests(
     return out
 
 
-def _checkpointed_forward(tracer: Tracer, block_of: Callable[[OpRecord], int | None]) -> None:
-    """Each block op's ``checkpointed_forward_bytes``: what its block's ops created and a
-    checkpointed forward still holds at the op (non-reentrant checkpointing saves nothing, so a
-    saved storage dies after its last forward use; the block's input, made by the block before,
-    is the checkpoint's and not counted here)."""
-    blocks = [block_of(o) for o in tracer.ops]
+def _checkpointed_forward(tracer: Tracer, blocks: list[int | None]) -> None:
+    """Each block op's ``checkpointed_forward_bytes`` (``blocks``: each op's block): what its
+    block's ops created and a checkpointed forward still holds at the op (non-reentrant
+    checkpointing saves nothing, so a saved storage dies after its last forward use; the block's
+    input, made by the block before, is the checkpoint's and not counted here)."""
     step_op = {step: o for o in tracer.ops for step in o.aten_ops}
     module_end: dict[str, int] = {}  # module path -> the last forward step of it or a submodule
     for o in tracer.ops:

@@ -360,7 +360,7 @@ class ComputeCosts:
         kept, peak, at = 0.0, 0.0, None
         for op, nbytes in zip(seg.ops, saved, strict=True):
             kept += nbytes
-            here = kept + (getattr(op, f"{quantity}_bytes") or 0) * self._scale(op, scale_as or quantity)
+            here = kept + getattr(op, f"{quantity}_bytes") * self._scale(op, scale_as or quantity)
             if here > peak:
                 peak, at = here, op
         nbytes = max(0, round(peak) - round(sum(saved)))

@@ -46,8 +46,9 @@ def block_input_bytes(cfg: ModelConfig, w: Workload) -> tuple[int, ...]:
     its recomputation needs): its hidden states, tokens × hidden, and, of an encoder-decoder's
     blocks after the first of a stack, the attention biases the stack's first block made and
     every later block takes as an input (T5's relative position bias, ``position_bias``, and the
-    decoder's zero cross-attention bias; ``sim.workload.stack_bias``), once per stack. A decoder's blocks all take the
-    micro-batch's tokens; an encoder-decoder's decoder blocks its decoder's."""
+    decoder's zero cross-attention bias; ``sim.workload.stack_bias``), once per stack. A
+    decoder's blocks all take the micro-batch's tokens; an encoder-decoder's decoder blocks its
+    decoder's."""
     d = cfg.description
     if d is None:
         return (w.tokens * cfg.hidden * w.act_bytes,) * cfg.n_layers
