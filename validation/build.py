@@ -220,23 +220,41 @@ def build_optimizer(params: Any, scenario: Scenario) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-4 if momentum else 0.0, momentum=momentum, **flags)
 
 
-def step_loss(
-    model: Any, ids: torch.Tensor, labels: torch.Tensor, keep_outputs: bool
-) -> tuple[torch.Tensor, Any]:
-    """One micro-batch's forward: its loss, and the output the loop keeps (``training.keep_outputs``:
-    ``outputs = model(**batch)``, held until the next forward returns); None, as
-    ``loss = model(**batch).loss``, drops the output with the forward."""
-    outputs = model(input_ids=ids, labels=labels)
+def step_loss(model: Any, inputs: dict[str, torch.Tensor], keep_outputs: bool) -> tuple[torch.Tensor, Any]:
+    """One micro-batch's forward (``model(**batch)``, ``inputs`` from ``batch``): its loss, and the
+    output the loop keeps (``training.keep_outputs``: ``outputs = model(**batch)``, held until the
+    next forward returns); None, as ``loss = model(**batch).loss``, drops the output with the forward."""
+    outputs = model(**inputs)
     return outputs.loss, (outputs if keep_outputs else None)
 
 
-def batch(scenario: Scenario, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and labels; an encoder-decoder's labels are its decoder's tokens (its decoder's
-    length; transformers shifts them right into the decoder's input)."""
+# the label the loss ignores (transformers' and torch's ``ignore_index``)
+IGNORED_LABEL = -100
+
+
+def batch(
+    scenario: Scenario, rank: int, step: int, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """One micro-batch as a collator hands it to the model, on ``device``: token ids and labels (an
+    encoder-decoder's labels are its decoder's tokens at its decoder's length; transformers shifts
+    them right into the decoder's input). Rows padded to ``seq_len`` (``training.avg_seq_len``
+    below it) come as a padding collator makes them: each row's ``avg_seq_len`` real tokens, then
+    padding, marked 0 in the ``attention_mask`` and ignored by the loss (right padding, as
+    ``DataCollatorWithPadding`` pads for training; which rows are longer does not change a step's
+    memory or its kernels)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     t = scenario.training
     ids = torch.randint(0, scenario.model.vocab, (t.micro_batch, t.seq_len), generator=g)
     d = scenario.model.description
     if d is not None and d.decoder_seq_len is not None:
-        return ids, torch.randint(0, scenario.model.vocab, (t.micro_batch, d.decoder_seq_len), generator=g)
-    return ids, ids.clone()
+        labels = torch.randint(0, scenario.model.vocab, (t.micro_batch, d.decoder_seq_len), generator=g)
+        inputs = {"input_ids": ids, "labels": labels}
+    else:
+        inputs = {"input_ids": ids, "labels": ids.clone()}
+    if t.avg_seq_len is not None and t.avg_seq_len < t.seq_len:
+        mask = torch.ones(t.micro_batch, t.seq_len, dtype=torch.long)
+        mask[:, t.avg_seq_len :] = 0
+        inputs["attention_mask"] = mask
+        if d is None or d.decoder_seq_len is None:
+            inputs["labels"][:, t.avg_seq_len :] = IGNORED_LABEL
+    return {name: tensor.to(device) for name, tensor in inputs.items()}

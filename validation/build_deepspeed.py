@@ -55,9 +55,9 @@ class DeepSpeedTrainer:
         self.marks = []
         engine = self.model
         for mb in range(self.scenario.training.grad_accum):
-            ids, labels = (t.to(self.device) for t in batch(self.scenario, self.rank, index * 100 + mb))
+            inputs = batch(self.scenario, self.rank, index * 100 + mb, self.device)
             t0 = synced_now(self.device)
-            loss, self.outputs = step_loss(engine, ids, labels, self.scenario.training.keep_outputs)
+            loss, self.outputs = step_loss(engine, inputs, self.scenario.training.keep_outputs)
             t1 = synced_now(self.device)
             engine.backward(loss)
             t2 = synced_now(self.device)

@@ -131,7 +131,11 @@ def measure_fake_memory(
         with contextlib.nullcontext() if real else FakeTensorMode(), _kernels(real):
             with post_forward_meshes_outside_fake_mode():
                 trainer = FakeTrainer(scenario, mesh)
-            with one_sequence_per_row(trainer.model), catch_all_reshard_by_storage():
+            padded = (
+                scenario.training.avg_seq_len is not None
+                and scenario.training.avg_seq_len < scenario.training.seq_len
+            )
+            with one_sequence_per_row(trainer.model, padded=padded), catch_all_reshard_by_storage():
                 with KernelRecorder() as recorder:
                     trainer.step(0)  # untracked: creates the optimizer state
                 if scenario.parallel.fsdp_version == 1:

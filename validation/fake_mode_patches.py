@@ -21,8 +21,10 @@ from sim.errors import UserError
 
 
 @contextlib.contextmanager
-def one_sequence_per_row(model: nn.Module) -> Iterator[None]:
-    """Decide transformers' causal mask as the real run does: no packed sequences.
+def one_sequence_per_row(model: nn.Module, *, padded: bool = False) -> Iterator[None]:
+    """Decide transformers' causal mask as the real run does: no packed sequences, and where the
+    rows are padded (``padded``: ``validation.build.batch`` passes a padding ``attention_mask``) a
+    materialised mask.
 
     Without a KV cache and without an ``attention_mask``, transformers' ``create_causal_mask``
     looks for packed sequences in ``position_ids`` (``masking_utils.find_packed_sequence_indices``:
@@ -37,8 +39,10 @@ def one_sequence_per_row(model: nn.Module) -> Iterator[None]:
     exactly what the real run finds: ``validation.worker`` passes only ``input_ids`` and
     ``labels``, so the positions are the model's own ``arange(seq_len)`` on every row. A forward
     that is given ``position_ids`` or an ``attention_mask`` (whose values fake tensors lack)
-    raises a UserError instead of being measured on the wrong path. Real tensors, and
-    everything outside the context, keep transformers' own decision.
+    raises a UserError instead of being measured on the wrong path, but for the padding mask of
+    padded rows: transformers reads a FakeTensor mask as tracing and materialises the mask
+    (``_ignore_causal_mask_sdpa`` returns False), which is what the real mask's padding decides.
+    Real tensors, and everything outside the context, keep transformers' own decision.
     """
     from torch._subclasses.fake_tensor import FakeTensor
     from transformers import masking_utils
@@ -51,7 +55,8 @@ def one_sequence_per_row(model: nn.Module) -> Iterator[None]:
         return original(position_ids)
 
     def refuse_value_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        given = [k for k in ("position_ids", "attention_mask") if kwargs.get(k) is not None]
+        read = ("position_ids",) if padded else ("position_ids", "attention_mask")
+        given = [k for k in read if kwargs.get(k) is not None]
         if given:
             raise UserError(
                 f"fake memory measurement: the step passes {' and '.join(given)}; deciding the "

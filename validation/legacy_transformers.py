@@ -81,7 +81,7 @@ def build_legacy_llama(scenario: Scenario) -> Any:
 
 
 @contextlib.contextmanager
-def _no_mask_patch(model: Any) -> Iterator[None]:
+def _no_mask_patch(model: Any, **_: Any) -> Iterator[None]:
     """The old Llama builds its causal mask with no data-dependent step: nothing to decide."""
     yield
 

@@ -74,16 +74,14 @@ class Trainer:
         phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         self.marks: list[tuple[str, float, float]] = []  # (phase, start, end) on the host clock
         for mb in range(self.scenario.training.grad_accum):
-            ids, labels = (t.to(self.device) for t in _batch(self.scenario, self.rank, index * 100 + mb))
+            inputs = _batch(self.scenario, self.rank, index * 100 + mb, self.device)
             last = mb == self.scenario.training.grad_accum - 1
             # DDP decides in its forward whether the backward reduces (``no_sync`` must hold the
             # forward too); FSDP2's flag is read in backward
             with self._gradient_sync(last):
                 t0 = synced_now(self.device)
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                    loss, self.outputs = step_loss(
-                        self.model, ids, labels, self.scenario.training.keep_outputs
-                    )
+                    loss, self.outputs = step_loss(self.model, inputs, self.scenario.training.keep_outputs)
                 t1 = synced_now(self.device)
                 loss.backward()
             if last:

@@ -286,7 +286,7 @@ def build_compute_costs(
     analytic model at the scenario's. ``fsdp`` picks the optimizer measured on FSDP2's DTensor
     shards (else on plain tensors, as DDP and FSDP1 hold them); ``fsdp_version`` 1 takes FSDP1's
     measured per-unit host work where the section has it (else FSDP2's). ``lenders`` are profiles a part without
-    a published attention curve may borrow one from (``sim.costs.gpu.borrowed_attention``).
+    a published attention curve may borrow one from (``sim.costs.attention_curves.attention_curves``).
     ``deepspeed_stage`` (a DeepSpeed ZeRO scenario's) takes the section's measured step for it."""
     where = f"profile {profile.name}"
     costs = _analytic_costs(profile, param_dtype, optimizer, where, lenders)

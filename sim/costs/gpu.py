@@ -14,8 +14,9 @@ device's published kernel-level figures (``sim.hardware.schema.DeviceSpec``). Pu
   kernel for its head dimension and causality, interpolated in log sequence length (FlashAttention
   benchmarks' FLOP count: forward 4·b·s²·h·d, halved when causal, backward 2.5 × forward). A part
   without a published curve borrows the nearest architecture's curve scaled by the ratio of the two
-  parts' achievable matmul rates (an assumption, named in the README). The math path is two
-  batched matmuls and a softmax over the s² scores.
+  parts' achievable matmul rates, and one with FlashAttention-2's curve alone gets a memory-efficient
+  curve derived from the A100's (``sim.costs.attention_curves``; both assumptions, named in the
+  README). The math path is two batched matmuls and a softmax over the s² scores.
 - **Memory-bound work** (norms, activations, rotary, residual adds, casts, the loss) moves the
   bytes eager PyTorch moves (``sim.workload.layers``) at the rate eager ATen kernels reach: the
   achievable streaming bandwidth times ``eager_memory_efficiency``, derived from Liger-Kernel's
@@ -33,6 +34,7 @@ A device without these figures (a CPU, a version-2 profile) uses ``sim.costs.com
 import math
 from dataclasses import dataclass, replace
 
+from sim.costs.attention_curves import NEAREST_ARCH, attention_curves, curve_rate
 from sim.dtypes import dtype_bytes
 from sim.hardware.schema import AttentionCurve, DeviceSpec
 from sim.workload.attention_kernel import fused_kernel
@@ -48,7 +50,6 @@ FA_BACKWARD_OVER_FORWARD = 2.5  # FlashAttention benchmarks' FLOP convention
 # and H100 NVL (bandwidth-bound passes; derived by ``python -m validation.fused_bandwidth``)
 FUSED_NORM_EFFICIENCY = (0.884, 0.219)
 # a part without a published attention curve (or eager-kernel efficiency) borrows one of this family
-NEAREST_ARCH = {"sm80": "sm80", "sm86": "sm80", "sm89": "sm80", "sm90": "sm90", "sm100": "sm90"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,17 +97,12 @@ class GpuKernelModel:
         curve = self._curve(shape, kernel)
         if curve is None:
             return None
-        xs = [math.log(s) for s in curve.seq_lens]
-        ys = [math.log(f) for f in curve.fwd_bwd_flops]
-        x = min(max(math.log(shape.seq_len), xs[0]), xs[-1])
-        i = max(0, min(len(xs) - 2, next((j for j in range(len(xs) - 1) if x <= xs[j + 1]), len(xs) - 2)))
-        frac = 0.0 if xs[i + 1] == xs[i] else (x - xs[i]) / (xs[i + 1] - xs[i])
-        return math.exp(ys[i] + frac * (ys[i + 1] - ys[i])) * self.attention_scale
+        return curve_rate(curve, shape.seq_len) * self.attention_scale
 
     def attention_s(self, shape: AttentionShape, kernel: str) -> tuple[float, float]:
         """(forward, backward) seconds of one attention call. Given a mask by transformers' SDPA
-        path (``AttentionShape.sdpa_given_mask``: a sliding window the keys reach; T5's position
-        bias, ``create_position_bias_mask``), SDPA cannot run flash, which takes none:
+        path (``AttentionShape.sdpa_given_mask``: a sliding window the keys reach, a collator's
+        padding; T5's position bias, ``create_position_bias_mask``), SDPA cannot run flash, which takes none:
         memory-efficient attention over every pair (torch 2.13 ``sdp_utils``: flash requires
         ``attn_mask`` to be None; ``is_causal`` is off, the causality only in the mask)."""
         if fused_kernel(kernel) and shape.sdpa_given_mask:
@@ -193,20 +189,6 @@ def has_gpu_figures(device: DeviceSpec, dtype: str) -> bool:
     return dtype in device.matmul_flops and device.achievable_hbm_bandwidth_Bps is not None
 
 
-def borrowed_attention(
-    device: DeviceSpec, lenders: dict[str, DeviceSpec], dtype: str
-) -> tuple[tuple[AttentionCurve, ...], float]:
-    """The device's own attention curves, else those of the nearest architecture's part that has
-    them, with the ratio of achievable matmul rates to scale them by."""
-    if device.attention:
-        return device.attention, 1.0
-    arch = NEAREST_ARCH.get(device.architecture)
-    for lender in lenders.values():
-        if arch and lender.architecture == arch and lender.attention and dtype in lender.matmul_flops:
-            return lender.attention, device.matmul_flops[dtype] / lender.matmul_flops[dtype]
-    return (), 1.0
-
-
 def eager_memory_efficiency(device: DeviceSpec, lenders: dict[str, DeviceSpec]) -> float:
     """The device's measured fraction of its streaming rate eager kernels reach, else that of the
     measured part of its architecture family whose streaming rate is nearest its own, else 1."""
@@ -235,7 +217,7 @@ def kernel_model(
     device: DeviceSpec, dtype: str, lenders: dict[str, DeviceSpec] | None = None
 ) -> GpuKernelModel:
     """The kernel model of ``device`` for ``dtype`` work (``has_gpu_figures`` must hold)."""
-    curves, scale = borrowed_attention(device, lenders or {}, dtype)
+    curves, scale = attention_curves(device, lenders or {}, dtype)
     assert device.achievable_hbm_bandwidth_Bps is not None
     return GpuKernelModel(
         matmul_flops=device.matmul_flops[dtype],

@@ -117,22 +117,39 @@ def _fused(w: Workload) -> bool:
     return fused_kernel(w.attention_kernel)
 
 
-def window_mask_bytes(shape: AttentionShape, w: Workload) -> int:
-    """The additive mask a fused kernel keeps where transformers' SDPA path gives it one
-    (``AttentionShape.sdpa_window_mask``): the boolean mask converted for each call, batch ×
-    queries × keys in the query's dtype (measured: Mistral on the CPU's flash kernel, one per
-    block). Memory-efficient attention, which SDPA runs on a GPU given a mask, pads the keys to a
+def converted_mask_bytes(shape: AttentionShape, w: Workload) -> int:
+    """The additive mask a fused kernel keeps where transformers' SDPA path gives it a boolean one
+    (``AttentionShape.sdpa_bool_mask``: a reached window, a collator's padding): the boolean mask
+    converted for each call, batch × queries × keys in the query's dtype (measured: Mistral's
+    window and Llama's padding on the CPU's flash kernel, one per block). Memory-efficient attention, which SDPA runs on a GPU given a mask, pads the keys to a
     multiple of 16 where they are not one: not counted (a training length is one)."""
-    if not _fused(w) or not shape.sdpa_window_mask:
+    if not _fused(w) or not shape.sdpa_bool_mask:
         return 0
     return shape.batch * shape.seq_len * shape.kv_len * w.act_bytes
+
+
+def mask_path_bytes(shape: AttentionShape, w: Workload) -> tuple[int, int]:
+    """(forward, backward) bytes moved around a fused kernel that transformers' SDPA path gives a
+    boolean mask (``AttentionShape.sdpa_bool_mask``), beyond what the model's ops move without
+    one: forward, the mask's conversion to the query's dtype (reads a byte, writes one element
+    per query and key) and ``repeat_kv``'s copies of k and v (reads them at the key/value heads,
+    writes them at every query head); backward, the copies' gradients summed back to the
+    key/value heads (the same bytes)."""
+    if not _fused(w) or not shape.sdpa_bool_mask:
+        return 0, 0
+    convert = shape.batch * shape.seq_len * shape.kv_len * (1 + w.act_bytes)
+    repeat = 0
+    if shape.kv_heads < shape.heads:
+        dims = shape.head_dim + (shape.v_head_dim or shape.head_dim)
+        repeat = shape.batch * shape.kv_len * dims * (shape.kv_heads + shape.heads) * w.act_bytes
+    return convert + repeat, repeat
 
 
 def _kept_kv_heads(shape: AttentionShape, w: Workload) -> int:
     """The heads of the k and v the kernel keeps: every query head where they are ``repeat_kv``'s
     copies (the eager path; the SDPA path given a mask, ``use_gqa_in_sdpa`` false), else the
     model's key/value heads (SDPA's own GQA)."""
-    repeated = w.attention_kernel == "eager" or (_fused(w) and shape.sdpa_window_mask)
+    repeated = w.attention_kernel == "eager" or (_fused(w) and shape.sdpa_bool_mask)
     return shape.heads if repeated else shape.kv_heads
 
 
@@ -157,7 +174,7 @@ def attention_saved_pieces(
     heads = _kept_kv_heads(shape, w)
     kv = (t_kv * heads * shape.head_dim * a, t_kv * heads * dv * a)
     bias = (_fused_bias_bytes(shape, a)[0],) if shape.bias else ()
-    mask = (window_mask_bytes(shape, w),) if shape.sdpa_window_mask else ()
+    mask = (converted_mask_bytes(shape, w),) if shape.sdpa_bool_mask else ()
     return (q, *kv), (t * shape.heads * FP32_BYTES, *bias, *mask), out
 
 
@@ -204,8 +221,8 @@ def attention_kernel_requests(
         requests.append((next(ids), -t * shape.heads * FP32_BYTES))
         if shape.bias:
             requests.append((next(ids), -_fused_bias_bytes(shape, a)[0]))
-        if shape.sdpa_window_mask:
-            requests.append((next(ids), -window_mask_bytes(shape, w)))
+        if shape.sdpa_bool_mask:
+            requests.append((next(ids), -converted_mask_bytes(shape, w)))
     if output_saved:
         requests.append((next(ids), -out_bytes))
     made = [i for i, n in requests if n != 0]
@@ -254,8 +271,9 @@ def attention_kernel_figures(
     log-sum-exp, and its backward an fp32 dq accumulator; causal masking halves its FLOPs and a
     sliding window skips the pairs outside it; its dropout keeps a random seed, not a mask. Given
     a mask by transformers' SDPA path (``AttentionShape.sdpa_given_mask``) it computes every pair
-    (``is_causal`` off, the window or causality only in the mask); a window's mask it keeps, with k
-    and v as ``repeat_kv`` copies them to every query head (``sdpa_window_mask``), a bias as
+    (``is_causal`` off, the window or causality only in the mask); a boolean mask (a window's, a
+    padding's) it keeps, with k and v as ``repeat_kv`` copies them to every query head
+    (``sdpa_bool_mask``), a bias as
     ``_fused_bias_bytes`` says. The
     math path keeps fp32 copies and the s² softmax (``_math_figures``), a model's eager attention
     its s² tensors op by op (``_eager_figures``). ``output_saved=False``
@@ -271,7 +289,7 @@ def attention_kernel_figures(
     flash = _fused(w)
     if flash:
         saved = t * (a * (q_dim + (out_dim if output_saved else 0)) + FP32_BYTES * shape.heads)
-        saved += t_kv * a * kv_dim + window_mask_bytes(shape, w)
+        saved += t_kv * a * kv_dim + converted_mask_bytes(shape, w)
         fwd_transient, bwd_transient = 0, t * q_dim * FP32_BYTES  # the flash backward's fp32 dq
         if shape.bias:
             bias_saved, bias_grad = _fused_bias_bytes(shape, a)

@@ -18,13 +18,14 @@ from sim.workload.attention_kernel import (
     attention_kernel_figures,
     attention_kernel_requests,
     attention_saved_pieces,
+    mask_path_bytes,
 )
 from sim.workload.description import AttentionCall, DescribedOp, ModelDescription
 from sim.workload.finetune import FinetuneFacts, dequant_bytes, dequant_transient_bytes
 from sim.workload.layer_op import LayerKind, LayerOp
 from sim.workload.layers import _sac_kept
 from sim.workload.params import ParamSpec
-from sim.workload.shapes import AttentionShape, Request, Workload
+from sim.workload.shapes import AttentionShape, Request, Workload, padding_mask_for
 
 KINDS = {k.value: k for k in LayerKind}
 # the first number QLoRA's dequantized weights take as tensors of an op's requests (counting down,
@@ -42,8 +43,9 @@ def _check_workload(d: ModelDescription, w: Workload) -> None:
         )
 
 
-def _kernel_shape(a: AttentionCall) -> AttentionShape:
-    """The attention call the tracer recorded, as the kernel model's shape."""
+def _kernel_shape(a: AttentionCall, w: Workload) -> AttentionShape:
+    """The attention call the tracer recorded, as the kernel model's shape (given the collator's
+    padding mask where ``w``'s rows are padded: the tracer's forward is given none)."""
     return AttentionShape(
         batch=a.batch,
         seq_len=a.seq_len,
@@ -58,6 +60,7 @@ def _kernel_shape(a: AttentionCall) -> AttentionShape:
         bias=a.bias,
         bias_grad=a.bias_grad,
         softcap=a.softcap,
+        padding_mask=padding_mask_for(w, bias=a.bias, softcap=a.softcap),
         backward_start_bytes=a.backward_start_bytes,
     )
 
@@ -79,7 +82,7 @@ def kernel_output_saved(a: AttentionCall, w: Workload) -> bool:
 def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
     assert op.attention is not None
     a = op.attention
-    shape = _kernel_shape(a)
+    shape = _kernel_shape(a, w)
     output_saved = kernel_output_saved(a, w)
     flops, saved, fwd, bwd = attention_kernel_figures(
         shape, w, output_saved=output_saved, model_backward_bytes=base.backward_transient_bytes
@@ -89,6 +92,7 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
     kernel, kernel_checkpointed = attention_kernel_requests(shape, w, output_saved=output_saved)
     given = _given_bytes(shape, w, output_saved)
     kernel_backward = attention_kernel_backward_requests(shape, w, output_saved=output_saved)
+    mask_fwd_bytes, mask_bwd_bytes = mask_path_bytes(shape, w)
     # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)
     backward_flops = None if base.backward_flops is None else base.backward_flops + 2.0 * flops
     return LayerOp(
@@ -98,7 +102,7 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
         block=base.block,
         params=base.params,
         flops=base.flops + flops,
-        memory_bytes=base.memory_bytes,
+        memory_bytes=base.memory_bytes + mask_fwd_bytes,
         saved_bytes=base.saved_bytes + saved + a.extra_saved_bytes,
         saved_pieces=_joined(base.saved_bytes, base.saved_pieces, *qkv, *own, *out, a.extra_saved_bytes),
         forward_transient_bytes=base.forward_transient_bytes + fwd,
@@ -134,7 +138,9 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
         launches=base.launches,
         backward_gemms=base.backward_gemms,
         backward_flops=backward_flops,
-        backward_memory_bytes=base.backward_memory_bytes,
+        backward_memory_bytes=None
+        if base.backward_memory_bytes is None
+        else base.backward_memory_bytes + mask_bwd_bytes,
     )
 
 

@@ -46,20 +46,20 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from sim.dtypes import FP32_BYTES, INDEX_BYTES
-from sim.workload.attention_kernel import attention_kernel_figures
+from sim.workload.attention_kernel import attention_kernel_figures, mask_path_bytes
 from sim.workload.layer_op import LayerKind, LayerOp
 from sim.workload.loss import fused_linear_cross_entropy
 from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
 from sim.workload.op_counts import FUSED_NORM_HOST_OPS, FUSED_NORM_LAUNCHES, HOST_OPS, LAUNCHES
 from sim.workload.options import LossKernel, NormKernel
-from sim.workload.shapes import AttentionShape, Workload
+from sim.workload.shapes import AttentionShape, Workload, padding_mask_for
 
 
 @dataclass(frozen=True, kw_only=True)
 class StackMask:
     """One of the attention masks HF's decoder stack builds before its first block (eager: an
-    additive float mask; SDPA given a window: a boolean one): its bytes and the blocks it is
-    given to."""
+    additive float mask; SDPA given a window or a collator's padding: a boolean one): its bytes
+    and the blocks it is given to."""
 
     bytes: int
     blocks: frozenset[int]
@@ -183,17 +183,22 @@ def stack_masks(ops: Sequence[LayerOp], w: Workload) -> tuple[StackMask, ...]:
 
     Eager: an additive float mask per causal pattern (``eager_mask`` never skips one), batch × 1 ×
     queries × keys in the activation dtype. SDPA's kernels: a causal flag and no mask, but for a
-    window its keys reach (``AttentionShape.sdpa_window_mask``): a boolean mask, one byte per
-    query and key, its batch an expanded view (measured: 4,096 B at 64 tokens, held by the
-    checkpointed blocks like the float one). None for a bidirectional call without padding."""
+    window its keys reach or a collator's padding (``AttentionShape.sdpa_bool_mask``): a boolean
+    mask, one byte per query and key, its batch an expanded view where only the window makes it
+    (measured: 4,096 B at 64 tokens, held by the checkpointed blocks like the float one), one row
+    per sequence where padding does (measured: 8,192 B at 2 × 64). None for a bidirectional call
+    without padding."""
     eager = w.attention_kernel == "eager"
     patterns: dict[tuple[int | None, int, int], tuple[int, set[int]]] = {}
     for op in ops:
         a = op.attention
-        if a is None or not a.causal or op.block is None or not (eager or a.sdpa_window_mask):
+        if a is None or op.block is None:
+            continue
+        if not ((eager and (a.causal or a.padding_mask)) or a.sdpa_bool_mask):
             continue
         key = (a.window, a.seq_len, a.kv_len)
-        nbytes = a.batch * a.seq_len * a.kv_len * w.act_bytes if eager else a.seq_len * a.kv_len
+        rows = a.batch if eager or a.padding_mask else 1
+        nbytes = rows * a.seq_len * a.kv_len * (w.act_bytes if eager else 1)
         _, blocks = patterns.setdefault(key, (nbytes, set()))
         blocks.add(op.block)
     return tuple(StackMask(bytes=n, blocks=frozenset(b)) for n, b in patterns.values())
@@ -208,6 +213,7 @@ def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         heads=cfg.n_heads,
         kv_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim,
+        padding_mask=padding_mask_for(w, bias=False, softcap=False),
     )
     flops, saved, fwd_transient, bwd_transient = attention_kernel_figures(shape, w)
     return LayerOp(
@@ -218,7 +224,8 @@ def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         params=(),
         flops=flops,
         memory_bytes=10.0 * t * (q_dim + kv_dim) * a
-        + 2.0 * t * q_dim * a,  # RoPE on q and k, the output's copy
+        + 2.0 * t * q_dim * a  # RoPE on q and k, the output's copy
+        + mask_path_bytes(shape, w)[0],
         saved_bytes=saved,
         forward_transient_bytes=fwd_transient,
         backward_transient_bytes=bwd_transient,

@@ -18,6 +18,9 @@ class Workload:
     norm: NormKernel = NormKernel.EAGER
     # an encoder-decoder's decoder length (``training.decoder_seq_len``); None for a decoder
     decoder_seq_len: int | None = None
+    # rows padded to ``seq_len`` (``training.avg_seq_len`` below it), with the ``attention_mask``
+    # a padding collator passes (transformers' ``DataCollatorWithPadding``)
+    padded: bool = False
 
     @property
     def tokens(self) -> int:
@@ -43,6 +46,8 @@ class AttentionShape:
     bias: bool = False  # an additive float bias masks the scores (T5's relative position bias)
     bias_grad: bool = False  # the bias is learned: its gradient flows back (not T5's cross-attention)
     softcap: bool = False  # tanh soft-capping of the scores (Gemma 2's ``attn_logit_softcapping``)
+    # the call is given a collator's padding mask (``Workload.padded``, ``padding_mask_for``)
+    padding_mask: bool = False
     # what the model's backward holds as the kernel's backward starts, its output's gradient
     # among it (measured for a described model's call); None: the kernel alone (the hand-written
     # ops count no gradients passed between ops)
@@ -67,12 +72,21 @@ class AttentionShape:
         return not self.softcap and self.causal and self.window is not None and self.kv_len >= self.window
 
     @property
+    def sdpa_bool_mask(self) -> bool:
+        """Whether transformers' SDPA path hands the kernel a boolean mask: a reached window
+        (``sdpa_window_mask``) or a collator's padding (``padding_mask``: ``_ignore_causal_mask_sdpa``
+        keeps ``is_causal`` only where no key is padded; measured on Llama with padded rows: a
+        batch × 1 × queries × keys boolean mask, ``is_causal`` off, k and v at every query head).
+        Either way k and v are ``repeat_kv``'s copies and the kernel keeps the converted mask."""
+        return not self.softcap and (self.padding_mask or self.sdpa_window_mask)
+
+    @property
     def sdpa_given_mask(self) -> bool:
-        """Whether transformers' SDPA path hands the kernel a mask of any kind: a reached window
-        (``sdpa_window_mask``) or an additive bias (T5's position bias, ``create_position_bias_mask``,
+        """Whether transformers' SDPA path hands the kernel a mask of any kind: a boolean one
+        (``sdpa_bool_mask``) or an additive bias (T5's position bias, ``create_position_bias_mask``,
         the causal triangle filled into it). Then ``is_causal`` is off and a fused kernel computes
         every pair, the masking only in the mask: its FLOPs and its time (``sim.costs.gpu``)."""
-        return self.sdpa_window_mask or self.bias
+        return self.sdpa_bool_mask or self.bias
 
     @property
     def flops_head_dim(self) -> float:
@@ -83,3 +97,11 @@ class AttentionShape:
 # a forward request (``DescribedOp.forward_requests``): (tensor, bytes), bytes > 0 made and freed by
 # the forward, < 0 made and kept for backward, 0 the tensor's free
 Request = tuple[int, int]
+
+
+def padding_mask_for(w: Workload, *, bias: bool, softcap: bool) -> bool:
+    """Whether a call of ``w`` is given the collator's padding mask (``AttentionShape.padding_mask``):
+    where the rows are padded, but not for T5's biased calls, whose padding transformers folds into
+    the bias (not modelled), nor a soft-capped one, which transformers runs through FlashAttention's
+    own padding-free (unpadded, variable-length) path rather than SDPA (not modelled either)."""
+    return w.padded and not bias and not softcap
