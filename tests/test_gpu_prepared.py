@@ -52,13 +52,20 @@ def test_the_first_item_is_the_published_lora_row_at_one_rank() -> None:
     assert {k: settings[k] for k in published["finetune"]} == published["finetune"]
 
 
-def test_the_window_item_gives_sdpa_its_mask() -> None:
-    """The last item's keys reach its sliding window, so SDPA is given a mask there (the path of
-    ``AttentionShape.sdpa_window_mask`` that a GPU alone can time)."""
+def test_the_window_and_padding_items_give_sdpa_its_mask() -> None:
+    """The window item's keys reach its sliding window, so SDPA is given a mask there (the path of
+    ``AttentionShape.sdpa_window_mask`` that a GPU alone can time); the last item's rows are padded,
+    so every call is given the collator's padding mask."""
+    from sim.hardware.registry import load_profile
+    from sim.simulate import _workload
     from sim.workload.forward import layer_ops
     from sim.workload.shapes import Workload
 
-    name, scenario, sets = CONFIGS[-1]
+    padded = load_scenario(CONFIGS[-1][1], [*COMMON, *CONFIGS[-1][2]])
+    w_padded = _workload(padded, load_profile(padded.cluster.profile, where="test"))
+    calls = [op.attention for op in layer_ops(padded.model, w_padded) if op.attention is not None]
+    assert w_padded.padded and calls and all(a.padding_mask and a.sdpa_bool_mask for a in calls)
+    name, scenario, sets = CONFIGS[-2]
     model = load_scenario(scenario, sets).model
     w = Workload(micro_batch=4, seq_len=2048, act_bytes=2, attention_kernel="flash")
     shapes = [op.attention for op in layer_ops(model, w) if op.attention is not None]

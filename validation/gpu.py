@@ -36,8 +36,9 @@ from validation.marked_sections import write_between_markers
 from validation.run import calibrated_profile
 
 BASE = "scenarios/tiny.toml"
-# (name, scenario, overrides): models a single GPU trains in seconds; the last one a sliding window
-# its keys reach (SDPA given a mask: memory-efficient attention, k and v copied to every head)
+# (name, scenario, overrides): models a single GPU trains in seconds; the last two a sliding window
+# its keys reach and padded rows (SDPA given a mask: memory-efficient attention, k and v copied to
+# every head; on an H100-family part timed at the derived curve, ``sim.costs.attention_curves``)
 CONFIGS: list[tuple[str, str, list[str]]] = [
     (
         "llama-34m, bf16, 8 x 1024",
@@ -59,6 +60,16 @@ CONFIGS: list[tuple[str, str, list[str]]] = [
         ],
     ),
     ("Mistral-shaped 0.2B, window 1024, bf16, 4 x 2048", "validation/hf/mistral-small.toml", []),
+    (
+        "llama-34m, bf16, 8 x 1024 padded rows (512 real tokens each: SDPA given the padding mask)",
+        BASE,
+        [
+            "model.preset=llama-34m",
+            "training.micro_batch=8",
+            "training.seq_len=1024",
+            "training.avg_seq_len=512",
+        ],
+    ),
 ]
 COMMON = ["precision.param_dtype=bf16", "precision.reduce_dtype=fp32", "parallel.strategy=FULL_SHARD"]
 # The development set's first LoRA row (validation.published_memory: Llama-2-7B, LoRA r 8 on

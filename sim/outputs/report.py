@@ -66,7 +66,12 @@ class Padding:
             "seq_len": self.seq_len,
             "avg_seq_len": self.avg_seq_len,
             "real_token_fraction": self.avg_seq_len / self.seq_len,
-            "note": "tokens_per_s counts real tokens; step time, memory and MFU include the padding",
+            "note": "tokens_per_s counts real tokens; step time, memory and MFU include the padding"
+            + (
+                " and the collator's attention mask (SDPA given a mask: memory-efficient attention over every pair)"
+                if self.avg_seq_len < self.seq_len
+                else ""
+            ),
         }
 
 

@@ -12,7 +12,6 @@ from sim.workload.model import ModelConfig
 from sim.workload.options import LossKernel, NormKernel
 from sim.workload.shapes import Workload
 
-
 # the tensor number of the collator's attention mask in the embedding's requests (apart from the
 # model's storages, the attention kernel's and QLoRA's dequantized weights)
 COLLATOR_MASK_TENSOR = -2000
