@@ -46,7 +46,8 @@ def packing() -> str:
         f"""**Packing against padding** (`{PACKING}`; the same real tokens per step). Padded,
         {t_.micro_batch} rows of {n(t_.seq_len)} tokens with {t_.avg_seq_len} real each:
         {t(padded.step_time_s)}, {n(padded.tokens_per_s)} useful tokens/s, peak
-        {gib(padded.peak_memory_bytes)}. Packed (`--set {packed_sets[0]} --set {packed_sets[1]}`):
+        {gib(padded.peak_memory_bytes)} (the collator's padding mask sends SDPA to memory-efficient
+        attention over every pair, and each layer keeps a converted mask). Packed (`--set {packed_sets[0]} --set {packed_sets[1]}`):
         {t(packed.step_time_s)}, {n(packed.tokens_per_s)} tokens/s
         (×{packed.tokens_per_s / padded.tokens_per_s:.1f}), peak {gib(packed.peak_memory_bytes)}.
         Packing is charged attention across document boundaries, so its figure is conservative."""
