@@ -199,7 +199,10 @@ class Owners:
 
     def _push(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            self.stack.append((path, type(module).__name__))
+            # a subclass of nn.Embedding (Gemma 3's scaled word embedding) is an embedding to the
+            # op kinds (``hfmodel.ops``): it takes the token ids
+            kind = "Embedding" if isinstance(module, nn.Embedding) else type(module).__name__
+            self.stack.append((path, kind))
 
         return hook
 

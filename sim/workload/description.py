@@ -39,8 +39,9 @@ from sim.workload.params import ParamSpec
 # ``backward_requests``; 12: ops' ``next_block_input_bytes``; 13: attention calls'
 # ``query_not_bshd``; 14: the probe makes no gradient for a bias that needs none (T5's zero
 # cross-attention bias: a version 13 file counts one in that call's backward transient); 15: block
-# ops' ``recompute_transient_bytes``
-DESCRIPTION_VERSION = 15
+# ops' ``recompute_transient_bytes``; 16: an ``nn.Embedding`` subclass's op is of kind "embed"
+# (Gemma 3's scaled word embedding was "elementwise", timed in the head's calibration group)
+DESCRIPTION_VERSION = 16
 GEMM_FIELDS = 4  # (M, N, K, count)
 
 
