@@ -7,6 +7,7 @@ int64 mask is held beside the token ids (``AttentionShape.padding_mask``)."""
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from simtest import real_step_peak, tiny_with_config
@@ -189,3 +190,50 @@ def test_every_built_in_nvidia_part_times_a_given_mask_with_a_fused_curve() -> N
             continue
         curves, _ = attention_curves(device, devices, "bf16")
         assert any(c.kernel == "efficient" for c in curves), name
+
+
+def _report(*sets: str) -> Any:
+    from sim.hardware.registry import load_profile
+    from sim.outputs.report import build_report
+    from sim.simulate import simulate
+
+    scenario = load_scenario(str(ROOT / "scenarios" / "packing-vs-padding-7b.toml"), list(sets))
+    return build_report(simulate(scenario, load_profile(scenario.cluster.profile, where="test")))
+
+
+@pytest.mark.parametrize(
+    ("sets", "curves", "masked"),
+    [
+        ((), {"efficient": "derived"}, 32),  # H100 SXM: masked, at the derived curve
+        (("training.micro_batch=1", "training.avg_seq_len=2048"), {"flash": "measured"}, 0),  # packed
+        (("cluster.profile=a100-sxm-80g",), {"efficient": "measured"}, 32),  # the A100's own
+        (("cluster.profile=a100-pcie-80g",), {"efficient": "borrowed"}, 32),  # its family's
+        (("training.attention=eager",), {"eager": None}, 0),  # eager: no curve, no SDPA mask
+    ],
+)
+def test_the_report_says_how_attention_is_timed(sets: tuple[str, ...], curves: dict, masked: int) -> None:
+    """The report's ``attention``: Llama-2-7B's 32 calls per forward, those SDPA is given the
+    padding mask, the kernel they run and where each timed kernel's curve comes from; the text
+    report names the assumption."""
+    from sim.outputs.report_text import format_table
+
+    report = _report(*sets)
+    a = report.to_json()["attention"]
+    assert a["calls"] == 32 and a["masked_calls"] == masked and a["curves"] == curves
+    assert a["masked_by"] == (["padding"] if masked else []) and a["kernel"] in ("flash", "eager")
+    text = format_table(report)
+    line = next(x for x in text.splitlines() if x.startswith("attention") or "given a mask" in x)
+    if masked:
+        assert "32 of 32 calls given a mask (padding): memory-efficient attention over every pair" in text
+        assert ("an assumption" in line) == (curves["efficient"] == "derived")
+
+
+def test_a_calibrated_cpu_profile_reports_no_attention_timing() -> None:
+    """The calibrated gloo profile times attention from its measured units, not from curves."""
+    from sim.hardware.registry import load_profile
+    from sim.outputs.report import build_report
+    from sim.simulate import simulate
+
+    scenario = load_scenario(str(ROOT / "scenarios" / "tiny.toml"), [])
+    profile = load_profile(str(ROOT / "profiles" / "cpu-2x-gloo.json"), where="test")
+    assert "attention" not in build_report(simulate(scenario, profile)).to_json()

@@ -84,24 +84,39 @@ def derived_efficient(
     return tuple(derived)
 
 
+def _published_curves(
+    device: DeviceSpec, lenders: dict[str, DeviceSpec], dtype: str
+) -> tuple[tuple[AttentionCurve, ...], float]:
+    """The device's own curves, else those of the nearest architecture's part that has them, with
+    the ratio of the two parts' achievable matmul rates to scale them by."""
+    if device.attention:
+        return device.attention, 1.0
+    arch = NEAREST_ARCH.get(device.architecture)
+    for lender in lenders.values():
+        if arch and lender.architecture == arch and lender.attention and dtype in lender.matmul_flops:
+            return lender.attention, device.matmul_flops[dtype] / lender.matmul_flops[dtype]
+    return (), 1.0
+
+
 def attention_curves(
     device: DeviceSpec, lenders: dict[str, DeviceSpec], dtype: str
 ) -> tuple[tuple[AttentionCurve, ...], float]:
     """The curves ``device``'s attention runs at, with the factor to scale them by: its own, else
     those of the nearest architecture's part that has them with the ratio of the two parts'
     achievable matmul rates; either completed by ``derived_efficient``."""
-    curves, scale = device.attention, 1.0
-    if not curves:
-        arch = NEAREST_ARCH.get(device.architecture)
-        lender = next(
-            (
-                d
-                for d in lenders.values()
-                if arch and d.architecture == arch and d.attention and dtype in d.matmul_flops
-            ),
-            None,
-        )
-        if lender is None:
-            return (), 1.0
-        curves, scale = lender.attention, device.matmul_flops[dtype] / lender.matmul_flops[dtype]
+    curves, scale = _published_curves(device, lenders, dtype)
     return (*curves, *derived_efficient(curves, lenders)), scale
+
+
+def curve_origin(device: DeviceSpec, lenders: dict[str, DeviceSpec], dtype: str, kernel: str) -> str | None:
+    """Where the curve ``device``'s ``kernel`` runs at comes from: "measured" (the part's own
+    published curve), "borrowed" (its architecture family's, scaled by matmul rate), "derived"
+    (``derived_efficient``), or None (no curve: the math path times it)."""
+    published, _ = _published_curves(device, lenders, dtype)
+    if any(c.kernel == kernel for c in device.attention):
+        return "measured"
+    if any(c.kernel == kernel for c in published):
+        return "borrowed"
+    if any(c.kernel == kernel for c in derived_efficient(published, lenders)):
+        return "derived"
+    return None

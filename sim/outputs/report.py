@@ -13,7 +13,9 @@ from typing import Any
 from sim.core.events import EventTable, MemoryCategory, OpKind
 from sim.core.topology import GroupKind
 from sim.costs.nccl import runtime_channels
+from sim.hardware.registry import builtin_devices
 from sim.outputs.allocator import ReservedCurve, nccl_buffer_bytes, reserved_curve
+from sim.outputs.attention_timing import AttentionTiming, attention_timing
 from sim.outputs.intervals import Breakdown, rank_breakdown, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curve
 from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, host_bytes, model_state
@@ -21,6 +23,7 @@ from sim.schedule.zero_state import zero_infinity_working_memory, zero_state
 from sim.simulate import SimResult, compute_jitter, job_topology, scenario_network
 from sim.workload.flops import model_flops_per_token, recompute_flops_per_token
 from sim.workload.model import n_params
+from sim.workload.options import AttentionImpl
 
 COLLECTIVE_KINDS = (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE, OpKind.ALL_TO_ALL)
 
@@ -108,6 +111,8 @@ class StepReport:
     ranks_simulated: int
     per_rank: tuple[RankFigures, ...]
     padding: Padding | None = None
+    # how a GPU profile's kernel model times the attention calls (None on a CPU or calibrated one)
+    attention: AttentionTiming | None = None
     host_memory_bytes: int = 0  # host memory per rank (offload; pinned unless FSDP2 is told otherwise)
     nvme_bytes: int = 0  # what a rank keeps on NVMe (ZeRO-Infinity)
     offload_bytes: Mapping[str, int] = field(default_factory=dict)  # per step, by stream: h2d, d2h, nvme
@@ -176,6 +181,7 @@ class StepReport:
             "ranks_simulated": self.ranks_simulated,
             "per_rank": [r.to_json() for r in self.per_rank],
             **({"padding": self.padding.to_json()} if self.padding else {}),
+            **({"attention": self.attention.to_json()} if self.attention else {}),
             **self._offload_json(),
         }
 
@@ -353,6 +359,13 @@ def build_report(result: SimResult) -> StepReport:
         ranks_simulated=len(table.simulated_ranks),
         per_rank=_per_rank(table, figures, k),
         padding=Padding(seq_len=t.seq_len, avg_seq_len=t.avg_seq_len) if t.avg_seq_len is not None else None,
+        attention=attention_timing(
+            profile,
+            "eager" if t.attention is AttentionImpl.EAGER else profile.attention_kernel,
+            s.param_dtype,
+            result.layer_ops,
+            builtin_devices(),
+        ),
         **_offload_fields(result),
     )
 

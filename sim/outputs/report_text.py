@@ -15,6 +15,34 @@ def _padding_lines(r: StepReport) -> list[str]:
     ]
 
 
+ORIGINS = {
+    "measured": "curve published for this part",
+    "borrowed": "curve borrowed from its architecture family, scaled by matmul rate",
+    "derived": "curve derived from the A100's by FlashAttention-2's speedup, an assumption",
+    None: "no curve: timed as its matmuls and softmax",
+}
+KERNEL_NAMES = {"flash": "flash", "efficient": "memory-efficient attention", "cudnn": "cuDNN"}
+
+
+def _attention_lines(r: StepReport) -> list[str]:
+    """How the kernel model times attention: the calls SDPA is given a mask, and each curve's origin."""
+    a = r.attention
+    if a is None:
+        return []
+
+    def timed(kernel: str, how: str = "") -> str:
+        return f"{KERNEL_NAMES.get(kernel, kernel)}{how}, {ORIGINS[a.curves.get(kernel)]}"
+
+    unmasked = [f"attention     {timed(a.kernel)}"] if a.kernel in a.curves else []
+    if not a.masked_calls or a.masked_kernel is None:
+        return unmasked
+    masked = (
+        f"{a.masked_calls} of {a.calls} calls given a mask ({', '.join(a.masked_by)}): "
+        f"{timed(a.masked_kernel, ' over every pair')}"
+    )
+    return [*unmasked, f"  {masked}"] if unmasked else [f"attention     {masked}"]
+
+
 def _peak_text(r: StepReport) -> str:
     """Allocated, and on a GPU what the caching allocator reserves and what lies outside it."""
     if r.required_bytes == r.peak_memory_bytes:
@@ -70,6 +98,7 @@ def format_table(r: StepReport) -> str:
         f"throughput    {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_gpu:,.0f} per rank), "
         f"MFU {r.mfu:.1%} (HFU {r.hfu:.1%})",
         *_padding_lines(r),
+        *_attention_lines(r),
         "",
         f"peak memory   {gib(r.peak_memory_bytes)} allocated, {gib(r.peak_active_bytes)} active, "
         f"{gib(r.peak_reserved_bytes)} reserved "
