@@ -237,3 +237,20 @@ def test_a_calibrated_cpu_profile_reports_no_attention_timing() -> None:
     scenario = load_scenario(str(ROOT / "scenarios" / "tiny.toml"), [])
     profile = load_profile(str(ROOT / "profiles" / "cpu-2x-gloo.json"), where="test")
     assert "attention" not in build_report(simulate(scenario, profile)).to_json()
+
+
+def test_only_parts_that_run_the_sm80_kernels_on_a_newer_architecture_get_a_derived_curve() -> None:
+    """Hopper (own curve or borrowed, as the H100 NVL) and Blackwell get one; a part of another
+    architecture with a FlashAttention-2 curve of its own (an sm75 user profile) gets none: its
+    masked calls are timed as the math path, with no curve to name."""
+    from sim.costs.attention_curves import curve_origin
+
+    devices = builtin_devices()
+    for name in ("h100-sxm", "h100-nvl", "h200", "b200"):
+        assert curve_origin(devices[name], devices, "bf16", "efficient") == "derived", name
+    assert curve_origin(devices["a100-sxm-80g"], devices, "bf16", "efficient") == "measured"
+    turing = replace(devices["h100-sxm"], architecture="sm75")
+    curves, _ = attention_curves(turing, devices, "bf16")
+    assert not any(c.kernel == "efficient" for c in curves)
+    assert curve_origin(turing, devices, "bf16", "efficient") is None
+    assert curve_origin(turing, devices, "bf16", "flash") == "measured"

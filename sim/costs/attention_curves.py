@@ -10,10 +10,12 @@ xformers bars. Both kernels are sm80 kernels (``mma.sync`` tensor-core instructi
 uses Hopper's ``wgmma`` or TMA): PyTorch's memory-efficient attention runs its ``Sm80`` build on
 every newer GPU (pytorch/pytorch ``aten/src/ATen/native/transformers/cuda/attention.cu`` and
 ``attention_backward.cu``, ``DISPATCH_ARCHTAG``: ``computeCapability >= 80`` takes
-``cutlass::arch::Sm80``), as FlashAttention-2 does its sm80 code. So the cross-generation speedup that the same benchmark script measures for
-FlashAttention-2 (this part's curve over the A100's, at each sequence length, head dimension and
-causality) is what the derived curve applies to the A100's memory-efficient one. An assumption,
-not a measurement of this part; named in the README.
+``cutlass::arch::Sm80``), as FlashAttention-2 does its sm80 code. So the cross-generation
+speedup that the same benchmark script measures for FlashAttention-2 (this part's curve over the
+A100's, at each sequence length, head dimension and causality) is what the derived curve applies
+to the A100's memory-efficient one; only for the parts that run that sm80 code on a newer
+architecture (``DERIVED_FOR``: Hopper, and Blackwell, which borrows Hopper's curves). An
+assumption, not a measurement of this part; named in the README and in the report.
 """
 
 import math
@@ -24,6 +26,8 @@ from sim.hardware.schema import AttentionCurve, DeviceSpec
 NEAREST_ARCH = {"sm80": "sm80", "sm86": "sm80", "sm89": "sm80", "sm90": "sm90", "sm100": "sm90"}
 # the architecture whose memory-efficient curve is published (the A100's, ``device.attention``)
 EFFICIENT_ARCH = "sm80"
+# the families (``NEAREST_ARCH``'s values) that run the sm80 kernels on a newer architecture
+DERIVED_FOR = frozenset({"sm90"})
 
 
 def curve_rate(curve: AttentionCurve, seq_len: int) -> float:
@@ -105,7 +109,16 @@ def attention_curves(
     those of the nearest architecture's part that has them with the ratio of the two parts'
     achievable matmul rates; either completed by ``derived_efficient``."""
     curves, scale = _published_curves(device, lenders, dtype)
-    return (*curves, *derived_efficient(curves, lenders)), scale
+    return (*curves, *_derived_for(device, curves, lenders)), scale
+
+
+def _derived_for(
+    device: DeviceSpec, curves: tuple[AttentionCurve, ...], lenders: dict[str, DeviceSpec]
+) -> tuple[AttentionCurve, ...]:
+    """``derived_efficient`` for a part of a family in ``DERIVED_FOR``, else nothing."""
+    if NEAREST_ARCH.get(device.architecture) not in DERIVED_FOR:
+        return ()
+    return derived_efficient(curves, lenders)
 
 
 def curve_origin(device: DeviceSpec, lenders: dict[str, DeviceSpec], dtype: str, kernel: str) -> str | None:
@@ -117,6 +130,6 @@ def curve_origin(device: DeviceSpec, lenders: dict[str, DeviceSpec], dtype: str,
         return "measured"
     if any(c.kernel == kernel for c in published):
         return "borrowed"
-    if any(c.kernel == kernel for c in derived_efficient(published, lenders)):
+    if any(c.kernel == kernel for c in _derived_for(device, published, lenders)):
         return "derived"
     return None
