@@ -226,7 +226,7 @@ def _workload(scenario: Scenario, profile: HardwareProfile) -> Workload:
         attention_kernel=profile.attention_kernel,
         loss=training.loss,
         norm=training.norm,
-        padded=training.avg_seq_len is not None and training.avg_seq_len < training.seq_len,
+        padded=training.padded,
     )
 
 

@@ -251,7 +251,8 @@ def batch(
         inputs = {"input_ids": ids, "labels": labels}
     else:
         inputs = {"input_ids": ids, "labels": ids.clone()}
-    if t.avg_seq_len is not None and t.avg_seq_len < t.seq_len:
+    if t.padded:
+        assert t.avg_seq_len is not None
         mask = torch.ones(t.micro_batch, t.seq_len, dtype=torch.long)
         mask[:, t.avg_seq_len :] = 0
         inputs["attention_mask"] = mask

@@ -45,6 +45,8 @@ TILE_M, TILE_N = 256, 128  # cuBLAS's largest CTA tile (NVIDIA Matrix Multiplica
 ALIGN_ELEMENTS = 8  # tensor cores want every dimension a multiple of 8 fp16/bf16 elements
 UNALIGNED_FACTOR = 272.7 / 398.4  # ml-engineering: H100, ffn 10922 against 10944 at hidden 4096
 FA_BACKWARD_OVER_FORWARD = 2.5  # FlashAttention benchmarks' FLOP convention
+# the kernel SDPA runs a fused call given a mask on (flash takes none; ``attention_s``)
+MASKED_KERNEL = "efficient"
 # the fraction of the streaming rate a fused (Triton) RMSNorm's forward and backward reach:
 # medians over Liger-Kernel's published timings of its fused RMSNorm on A100-SXM4-80GB, A100 PCIe
 # and H100 NVL (bandwidth-bound passes; derived by ``python -m validation.fused_bandwidth``)
@@ -106,7 +108,7 @@ class GpuKernelModel:
         memory-efficient attention over every pair (torch 2.13 ``sdp_utils``: flash requires
         ``attn_mask`` to be None; ``is_causal`` is off, the causality only in the mask)."""
         if fused_kernel(kernel) and shape.sdpa_given_mask:
-            kernel, shape = "efficient", replace(shape, causal=False, window=None)
+            kernel, shape = MASKED_KERNEL, replace(shape, causal=False, window=None)
         fwd_flops = 4.0 * shape.batch * shape.seq_len * shape.kv_len * shape.heads * shape.head_dim
         if shape.causal:
             fwd_flops /= 2

@@ -8,14 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sim.costs.attention_curves import curve_origin
-from sim.costs.gpu import has_gpu_figures
+from sim.costs.gpu import MASKED_KERNEL, has_gpu_figures
 from sim.hardware.schema import DeviceSpec, HardwareProfile
 from sim.workload.attention_kernel import fused_kernel
 from sim.workload.layer_op import LayerOp
 from sim.workload.shapes import AttentionShape
-
-# what a fused kernel given a mask runs on a GPU (``sim.costs.gpu.GpuKernelModel.attention_s``)
-MASKED_KERNEL = "efficient"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,16 +54,12 @@ def _mask_reasons(shape: AttentionShape) -> tuple[str, ...]:
 
 
 def attention_timing(
-    profile: HardwareProfile,
-    kernel: str,
-    dtype: str,
-    ops: Sequence[LayerOp],
-    lenders: Mapping[str, DeviceSpec],
+    profile: HardwareProfile, dtype: str, ops: Sequence[LayerOp], lenders: Mapping[str, DeviceSpec]
 ) -> AttentionTiming | None:
-    """The summary of ``ops``' attention calls on ``profile`` running ``kernel`` (the profile's,
-    or "eager" for ``training.attention = "eager"``); None where the GPU kernel model does not
-    time them (a CPU profile, a calibrated compute section) or there are none."""
-    device = profile.device
+    """The summary of ``ops``' attention calls on ``profile`` (running the scenario's attention:
+    ``sim.simulate.attention_profile``); None where the GPU kernel model does not time them (a
+    CPU profile, a calibrated compute section) or there are none."""
+    device, kernel = profile.device, profile.attention_kernel
     shapes = [op.attention for op in ops if op.attention is not None]
     if not shapes or profile.compute is not None or not has_gpu_figures(device, dtype):
         return None

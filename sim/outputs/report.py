@@ -20,10 +20,9 @@ from sim.outputs.intervals import Breakdown, rank_breakdown, step_time
 from sim.outputs.memory_curve import MemoryCurve, memory_curve
 from sim.schedule.model_state import ModelState, deepspeed_convention_bytes, host_bytes, model_state
 from sim.schedule.zero_state import zero_infinity_working_memory, zero_state
-from sim.simulate import SimResult, compute_jitter, job_topology, scenario_network
+from sim.simulate import SimResult, attention_profile, compute_jitter, job_topology, scenario_network
 from sim.workload.flops import model_flops_per_token, recompute_flops_per_token
 from sim.workload.model import n_params
-from sim.workload.options import AttentionImpl
 
 COLLECTIVE_KINDS = (OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE, OpKind.ALL_TO_ALL)
 
@@ -360,11 +359,7 @@ def build_report(result: SimResult) -> StepReport:
         per_rank=_per_rank(table, figures, k),
         padding=Padding(seq_len=t.seq_len, avg_seq_len=t.avg_seq_len) if t.avg_seq_len is not None else None,
         attention=attention_timing(
-            profile,
-            "eager" if t.attention is AttentionImpl.EAGER else profile.attention_kernel,
-            s.param_dtype,
-            result.layer_ops,
-            builtin_devices(),
+            attention_profile(s, profile), s.param_dtype, result.layer_ops, builtin_devices()
         ),
         **_offload_fields(result),
     )

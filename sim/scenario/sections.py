@@ -72,6 +72,12 @@ class TrainingSection:
     # HF's Trainer (``max_grad_norm = 1.0``) do by default; 0: no clipping
     max_grad_norm: float = 0.0
 
+    @property
+    def padded(self) -> bool:
+        """Whether rows are padded to ``seq_len`` (``avg_seq_len`` below it), coming with the
+        ``attention_mask`` a padding collator passes."""
+        return self.avg_seq_len is not None and self.avg_seq_len < self.seq_len
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelSection:

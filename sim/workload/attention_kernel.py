@@ -139,9 +139,9 @@ def mask_path_bytes(shape: AttentionShape, w: Workload) -> tuple[int, int]:
         return 0, 0
     convert = shape.batch * shape.seq_len * shape.kv_len * (1 + w.act_bytes)
     repeat = 0
-    if shape.kv_heads < shape.heads:
+    if (heads := _kept_kv_heads(shape, w)) > shape.kv_heads:
         dims = shape.head_dim + (shape.v_head_dim or shape.head_dim)
-        repeat = shape.batch * shape.kv_len * dims * (shape.kv_heads + shape.heads) * w.act_bytes
+        repeat = shape.batch * shape.kv_len * dims * (shape.kv_heads + heads) * w.act_bytes
     return convert + repeat, repeat
 
 
