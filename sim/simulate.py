@@ -227,6 +227,8 @@ def _workload(scenario: Scenario, profile: HardwareProfile) -> Workload:
         loss=training.loss,
         norm=training.norm,
         padded=training.padded,
+        packed=training.packed,
+        document_mask=scenario.document_mask,
     )
 
 

@@ -241,7 +241,11 @@ def batch(
     below it) come as a padding collator makes them: each row's ``avg_seq_len`` real tokens, then
     padding, marked 0 in the ``attention_mask`` and ignored by the loss (right padding, as
     ``DataCollatorWithPadding`` pads for training; which rows are longer does not change a step's
-    memory or its kernels)."""
+    memory or its kernels). Packed rows (``training.avg_doc_len`` below ``seq_len``) come as
+    transformers' ``DataCollatorWithFlattening`` makes them: documents of ``avg_doc_len`` tokens
+    (the last one of a row cut short), their ``position_ids`` restarting at each, and the label of
+    each document's first token ignored (its ``separator_id``, -100), so that no document
+    predicts the next one's start."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     t = scenario.training
     ids = torch.randint(0, scenario.model.vocab, (t.micro_batch, t.seq_len), generator=g)
@@ -258,4 +262,9 @@ def batch(
         inputs["attention_mask"] = mask
         if d is None or d.decoder_seq_len is None:
             inputs["labels"][:, t.avg_seq_len :] = IGNORED_LABEL
+    if t.packed:
+        assert t.avg_doc_len is not None
+        positions = torch.arange(t.seq_len) % t.avg_doc_len
+        inputs["position_ids"] = positions.expand(t.micro_batch, -1).clone()
+        inputs["labels"][:, positions == 0] = IGNORED_LABEL
     return {name: tensor.to(device) for name, tensor in inputs.items()}

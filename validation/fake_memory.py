@@ -131,8 +131,9 @@ def measure_fake_memory(
         with contextlib.nullcontext() if real else FakeTensorMode(), _kernels(real):
             with post_forward_meshes_outside_fake_mode():
                 trainer = FakeTrainer(scenario, mesh)
-            padded = scenario.training.padded
-            with one_sequence_per_row(trainer.model, padded=padded), catch_all_reshard_by_storage():
+            t = scenario.training
+            rows = one_sequence_per_row(trainer.model, padded=t.padded, packed=t.packed)
+            with rows, catch_all_reshard_by_storage():
                 with KernelRecorder() as recorder:
                     trainer.step(0)  # untracked: creates the optimizer state
                 if scenario.parallel.fsdp_version == 1:

@@ -21,10 +21,11 @@ from sim.errors import UserError
 
 
 @contextlib.contextmanager
-def one_sequence_per_row(model: nn.Module, *, padded: bool = False) -> Iterator[None]:
+def one_sequence_per_row(model: nn.Module, *, padded: bool = False, packed: bool = False) -> Iterator[None]:
     """Decide transformers' causal mask as the real run does: no packed sequences, and where the
     rows are padded (``padded``: ``validation.build.batch`` passes a padding ``attention_mask``) a
-    materialised mask.
+    materialised mask; where they are packed (``packed``: the batch passes ``position_ids``
+    restarting at each document) the packed sequences transformers finds in them.
 
     Without a KV cache and without an ``attention_mask``, transformers' ``create_causal_mask``
     looks for packed sequences in ``position_ids`` (``masking_utils.find_packed_sequence_indices``:
@@ -41,8 +42,10 @@ def one_sequence_per_row(model: nn.Module, *, padded: bool = False) -> Iterator[
     that is given ``position_ids`` or an ``attention_mask`` (whose values fake tensors lack)
     raises a UserError instead of being measured on the wrong path, but for the padding mask of
     padded rows: transformers reads a FakeTensor mask as tracing and materialises the mask
-    (``_ignore_causal_mask_sdpa`` returns False), which is what the real mask's padding decides.
-    Real tensors, and everything outside the context, keep transformers' own decision.
+    (``_ignore_causal_mask_sdpa`` returns False), which is what the real mask's padding decides;
+    and the positions of packed rows, whose fake result transformers' own function keeps as
+    packed, which is what positions restarting in every row decide. Real tensors, and everything
+    outside the context, keep transformers' own decision.
     """
     from torch._subclasses.fake_tensor import FakeTensor
     from transformers import masking_utils
@@ -50,12 +53,14 @@ def one_sequence_per_row(model: nn.Module, *, padded: bool = False) -> Iterator[
     original = masking_utils.find_packed_sequence_indices
 
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
-        if isinstance(position_ids, FakeTensor):
+        if isinstance(position_ids, FakeTensor) and not packed:
             return None  # the model's own arange positions: one sequence per row
         return original(position_ids)
 
     def refuse_value_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        read = ("position_ids",) if padded else ("position_ids", "attention_mask")
+        read = tuple(
+            name for name, given in (("position_ids", packed), ("attention_mask", padded)) if not given
+        )
         given = [k for k in read if kwargs.get(k) is not None]
         if given:
             raise UserError(

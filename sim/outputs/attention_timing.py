@@ -18,7 +18,7 @@ from sim.workload.shapes import AttentionShape
 @dataclass(frozen=True, kw_only=True)
 class AttentionTiming:
     """Per forward of one micro-batch: ``calls`` attention calls on ``kernel``, ``masked_calls`` of
-    them given a mask by SDPA (``masked_by``: "padding", "window", "bias") and timed as
+    them given a mask by SDPA (``masked_by``: "padding", "documents", "window", "bias") and timed as
     ``masked_kernel`` over every pair; ``curves``: each kernel timed, with its curve's origin
     ("measured", "borrowed", "derived"; None: no curve, timed as its matmuls and softmax: the math
     path, eager attention)."""
@@ -46,6 +46,7 @@ def _mask_reasons(shape: AttentionShape) -> tuple[str, ...]:
         reason
         for reason, given in (
             ("padding", shape.padding_mask),
+            ("documents", shape.document_mask),
             ("window", shape.sdpa_window_mask),
             ("bias", shape.bias),
         )

@@ -56,6 +56,30 @@ class RankFigures:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Packing:
+    """With ``training.avg_doc_len``: rows packed from documents of that mean length, their
+    positions restarting at each; ``document_mask``: SDPA is given their block-diagonal mask
+    (else, with a KV cache or before transformers 4.36, attention crosses the documents)."""
+
+    seq_len: int
+    avg_doc_len: int
+    document_mask: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq_len": self.seq_len,
+            "avg_doc_len": self.avg_doc_len,
+            "documents_per_row": self.seq_len / self.avg_doc_len,
+            "document_mask": self.document_mask,
+            "note": (
+                "SDPA given the documents' block-diagonal mask: memory-efficient attention over every pair"
+                if self.document_mask
+                else "no document mask (a KV cache, or transformers before 4.36): attention crosses the documents"
+            ),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
 class Padding:
     """With ``training.avg_seq_len``: tokens/s count real tokens only; compute, memory, MFU and
     HFU are those of the padded sequences the kernels actually process."""
@@ -110,6 +134,7 @@ class StepReport:
     ranks_simulated: int
     per_rank: tuple[RankFigures, ...]
     padding: Padding | None = None
+    packing: Packing | None = None
     # how a GPU profile's kernel model times the attention calls (None on a CPU or calibrated one)
     attention: AttentionTiming | None = None
     host_memory_bytes: int = 0  # host memory per rank (offload; pinned unless FSDP2 is told otherwise)
@@ -180,6 +205,7 @@ class StepReport:
             "ranks_simulated": self.ranks_simulated,
             "per_rank": [r.to_json() for r in self.per_rank],
             **({"padding": self.padding.to_json()} if self.padding else {}),
+            **({"packing": self.packing.to_json()} if self.packing else {}),
             **({"attention": self.attention.to_json()} if self.attention else {}),
             **self._offload_json(),
         }
@@ -358,6 +384,11 @@ def build_report(result: SimResult) -> StepReport:
         ranks_simulated=len(table.simulated_ranks),
         per_rank=_per_rank(table, figures, k),
         padding=Padding(seq_len=t.seq_len, avg_seq_len=t.avg_seq_len) if t.avg_seq_len is not None else None,
+        packing=(
+            Packing(seq_len=t.seq_len, avg_doc_len=t.avg_doc_len, document_mask=s.document_mask)
+            if t.avg_doc_len is not None and t.packed
+            else None
+        ),
         attention=attention_timing(
             attention_profile(s, profile), s.param_dtype, result.layer_ops, builtin_devices()
         ),

@@ -15,6 +15,21 @@ def _padding_lines(r: StepReport) -> list[str]:
     ]
 
 
+def _packing_lines(r: StepReport) -> list[str]:
+    if r.packing is None:
+        return []
+    p = r.packing
+    masked = (
+        "SDPA given their block-diagonal mask"
+        if p.document_mask
+        else "no document mask (KV cache or transformers < 4.36): attention crosses them"
+    )
+    return [
+        f"  packing       {p.seq_len / p.avg_doc_len:.1f} documents of {p.avg_doc_len:,} tokens per row, "
+        f"positions restarting: {masked}"
+    ]
+
+
 ORIGINS = {
     "measured": "curve published for this part",
     "borrowed": "curve borrowed from its architecture family, scaled by matmul rate",
@@ -98,6 +113,7 @@ def format_table(r: StepReport) -> str:
         f"throughput    {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_gpu:,.0f} per rank), "
         f"MFU {r.mfu:.1%} (HFU {r.hfu:.1%})",
         *_padding_lines(r),
+        *_packing_lines(r),
         *_attention_lines(r),
         "",
         f"peak memory   {gib(r.peak_memory_bytes)} allocated, {gib(r.peak_active_bytes)} active, "

@@ -37,11 +37,13 @@ def check_scenario(s: Scenario, where: str) -> None:
     _check_decoder_seq_len(s, where)
     _check_use_cache(s, where)
     _check_grad_clip(s, where)
-    avg = s.training.avg_seq_len
-    if avg is not None and not 0 < avg <= s.training.seq_len:
-        raise UserError(
-            f"{where}: training.avg_seq_len must be in [1, training.seq_len = {s.training.seq_len}], got {avg}"
-        )
+    for name in ("avg_seq_len", "avg_doc_len"):
+        avg = getattr(s.training, name)
+        if avg is not None and not 0 < avg <= s.training.seq_len:
+            raise UserError(
+                f"{where}: training.{name} must be in [1, training.seq_len = {s.training.seq_len}], got {avg}"
+            )
+    _check_packing(s, where)
     _check_parallel(s, where, positive)
     _check_selective(s, where)
     _check_cluster(s, where, positive)
@@ -263,6 +265,25 @@ def _check_selective(s: Scenario, where: str) -> None:
         raise UserError(
             f'{where}: checkpointing.selective = {value!r} is not allowed; allowed: "op" or a positive integer N '
             "(checkpoint every N-th block)"
+        )
+
+
+def _check_packing(s: Scenario, where: str) -> None:
+    """Packed rows (training.avg_doc_len) are full rows: not padded as well; and their restarted
+    positions are a decoder's (an encoder-decoder's T5 positions are its relative bias)."""
+    t = s.training
+    if not t.packed:
+        return
+    if t.padded:
+        raise UserError(
+            f"{where}: training.avg_doc_len (packed rows) and training.avg_seq_len (padded rows) exclude "
+            "each other: packed rows are full; set one of them"
+        )
+    d = s.model.description
+    if d is not None and d.decoder_seq_len is not None:
+        raise UserError(
+            f"{where}: training.avg_doc_len: packed rows are modelled for decoder-only models; "
+            f"{d.name} is an encoder-decoder"
         )
 
 

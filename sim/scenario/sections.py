@@ -54,6 +54,10 @@ class TrainingSection:
     seq_len: int = 2048
     grad_accum: int = 1
     avg_seq_len: int | None = None  # mean real tokens per sequence padded to seq_len; None: no padding
+    # mean tokens per document of rows packed from several, their positions restarting at each
+    # document (the ``position_ids`` transformers' DataCollatorWithFlattening and TRL's padding-free
+    # packing pass); None: one sequence per row, or documents concatenated without positions
+    avg_doc_len: int | None = None
     loss: LossKernel = LossKernel.EAGER  # eager (HF's cross-entropy) or fused (Liger's fused linear CE)
     norm: NormKernel = NormKernel.EAGER  # eager (HF's RMSNorm) or fused (torchtitan's Triton RMSNorm)
     # false: accumulate gradients without synchronising (FSDP2 set_requires_gradient_sync(False),
@@ -77,6 +81,12 @@ class TrainingSection:
         """Whether rows are padded to ``seq_len`` (``avg_seq_len`` below it), coming with the
         ``attention_mask`` a padding collator passes."""
         return self.avg_seq_len is not None and self.avg_seq_len < self.seq_len
+
+    @property
+    def packed(self) -> bool:
+        """Whether rows are packed from several documents whose positions restart at each
+        (``avg_doc_len`` below ``seq_len``), coming with the collator's ``position_ids``."""
+        return self.avg_doc_len is not None and self.avg_doc_len < self.seq_len
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,6 +324,14 @@ class Scenario:
     @property
     def param_dtype(self) -> str:
         return self.precision.param_dtype
+
+    @property
+    def document_mask(self) -> bool:
+        """Whether transformers builds packed rows' block-diagonal causal mask from their positions
+        (``masking_utils._preprocess_mask_arguments``: only without a KV cache; transformers before
+        4.36, the "legacy" output format, never reads positions for a mask): else the rows' attention
+        crosses their documents."""
+        return self.training.packed and not self.use_cache and self.output_format is OutputFormat.CURRENT
 
     @property
     def reduce_dtype(self) -> str:

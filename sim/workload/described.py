@@ -25,7 +25,7 @@ from sim.workload.finetune import FinetuneFacts, dequant_bytes, dequant_transien
 from sim.workload.layer_op import LayerKind, LayerOp
 from sim.workload.layers import _sac_kept
 from sim.workload.params import ParamSpec
-from sim.workload.shapes import AttentionShape, Request, Workload, padding_mask_for
+from sim.workload.shapes import AttentionShape, Request, Workload, document_mask_for, padding_mask_for
 
 KINDS = {k.value: k for k in LayerKind}
 # the first number QLoRA's dequantized weights take as tensors of an op's requests (counting down,
@@ -61,6 +61,7 @@ def _kernel_shape(a: AttentionCall, w: Workload) -> AttentionShape:
         bias_grad=a.bias_grad,
         softcap=a.softcap,
         padding_mask=padding_mask_for(w, bias=a.bias, softcap=a.softcap),
+        document_mask=document_mask_for(w, bias=a.bias, softcap=a.softcap),
         backward_start_bytes=a.backward_start_bytes,
     )
 

@@ -52,7 +52,7 @@ from sim.workload.loss import fused_linear_cross_entropy
 from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
 from sim.workload.op_counts import FUSED_NORM_HOST_OPS, FUSED_NORM_LAUNCHES, HOST_OPS, LAUNCHES
 from sim.workload.options import LossKernel, NormKernel
-from sim.workload.shapes import AttentionShape, Workload, padding_mask_for
+from sim.workload.shapes import AttentionShape, Workload, document_mask_for, padding_mask_for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,21 +183,21 @@ def stack_masks(ops: Sequence[LayerOp], w: Workload) -> tuple[StackMask, ...]:
 
     Eager: an additive float mask per causal pattern (``eager_mask`` never skips one), batch × 1 ×
     queries × keys in the activation dtype. SDPA's kernels: a causal flag and no mask, but for a
-    window its keys reach or a collator's padding (``AttentionShape.sdpa_bool_mask``): a boolean
+    window its keys reach, a collator's padding or packed documents (``AttentionShape.sdpa_bool_mask``): a boolean
     mask, one byte per query and key, its batch an expanded view where only the window makes it
     (measured: 4,096 B at 64 tokens, held by the checkpointed blocks like the float one), one row
-    per sequence where padding does (measured: 8,192 B at 2 × 64). None for a bidirectional call
-    without padding."""
+    per sequence where padding or packing does (measured: 8,192 B at 2 × 64). None for a
+    bidirectional call without padding."""
     eager = w.attention_kernel == "eager"
     patterns: dict[tuple[int | None, int, int], tuple[int, set[int]]] = {}
     for op in ops:
         a = op.attention
         if a is None or op.block is None:
             continue
-        if not ((eager and (a.causal or a.padding_mask)) or a.sdpa_bool_mask):
+        if not ((eager and (a.causal or a.row_mask)) or a.sdpa_bool_mask):
             continue
         key = (a.window, a.seq_len, a.kv_len)
-        rows = a.batch if eager or a.padding_mask else 1
+        rows = a.batch if eager or a.row_mask else 1
         nbytes = rows * a.seq_len * a.kv_len * (w.act_bytes if eager else 1)
         _, blocks = patterns.setdefault(key, (nbytes, set()))
         blocks.add(op.block)
@@ -214,6 +214,7 @@ def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
         kv_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim,
         padding_mask=padding_mask_for(w, bias=False, softcap=False),
+        document_mask=document_mask_for(w, bias=False, softcap=False),
     )
     flops, saved, fwd_transient, bwd_transient = attention_kernel_figures(shape, w)
     return LayerOp(
@@ -366,7 +367,9 @@ def _input_ops(cfg: ModelConfig, w: Workload, embed: ParamSpec) -> tuple[LayerOp
             params=(),
             flops=0.0,
             memory_bytes=float(2 * w.seq_len * cfg.head_dim * a),
-            saved_bytes=2 * w.seq_len * cfg.head_dim * a,  # cos and sin, shared by every layer
+            # cos and sin of one row of positions, shared by every layer (packed rows' per row:
+            # ``sim.workload.forward``)
+            saved_bytes=2 * w.seq_len * cfg.head_dim * a,
             host_ops=HOST_OPS["rotary"],
             launches=LAUNCHES["rotary"],
         ),

@@ -21,10 +21,25 @@ class Workload:
     # rows padded to ``seq_len`` (``training.avg_seq_len`` below it), with the ``attention_mask``
     # a padding collator passes (transformers' ``DataCollatorWithPadding``)
     padded: bool = False
+    # rows packed from several documents, their positions restarting at each
+    # (``training.avg_doc_len`` below ``seq_len``): the collator's batch x sequence ``position_ids``,
+    # so the rotary tables are computed per row
+    packed: bool = False
+    # transformers builds the documents' block-diagonal causal mask from those positions
+    # (``masking_utils.find_packed_sequence_indices``): packed rows without a KV cache (with one,
+    # ``_preprocess_mask_arguments`` does not look; nor did transformers before 4.36)
+    document_mask: bool = False
 
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of the positions the model's rotary tables are computed from: the collator's
+        batch × sequence ``position_ids`` of packed rows, else the model's own ``arange``, one row
+        broadcast over the batch (HF ``LlamaModel.forward``: ``position_ids.unsqueeze(0)``)."""
+        return self.micro_batch if self.packed else 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +63,9 @@ class AttentionShape:
     softcap: bool = False  # tanh soft-capping of the scores (Gemma 2's ``attn_logit_softcapping``)
     # the call is given a collator's padding mask (``Workload.padded``, ``padding_mask_for``)
     padding_mask: bool = False
+    # the call is given packed documents' block-diagonal mask (``Workload.document_mask``,
+    # ``document_mask_for``)
+    document_mask: bool = False
     # what the model's backward holds as the kernel's backward starts, its output's gradient
     # among it (measured for a described model's call); None: the kernel alone (the hand-written
     # ops count no gradients passed between ops)
@@ -72,13 +90,23 @@ class AttentionShape:
         return not self.softcap and self.causal and self.window is not None and self.kv_len >= self.window
 
     @property
+    def row_mask(self) -> bool:
+        """Whether the call's mask is built row by row from the collator's batch: its padding
+        (``padding_mask``) or its packed documents (``document_mask``), batch × 1 × queries × keys
+        where a window's alone is one expanded row."""
+        return self.padding_mask or self.document_mask
+
+    @property
     def sdpa_bool_mask(self) -> bool:
         """Whether transformers' SDPA path hands the kernel a boolean mask: a reached window
-        (``sdpa_window_mask``) or a collator's padding (``padding_mask``: ``_ignore_causal_mask_sdpa``
+        (``sdpa_window_mask``), a collator's padding (``padding_mask``: ``_ignore_causal_mask_sdpa``
         keeps ``is_causal`` only where no key is padded; measured on Llama with padded rows: a
-        batch × 1 × queries × keys boolean mask, ``is_causal`` off, k and v at every query head).
-        Either way k and v are ``repeat_kv``'s copies and the kernel keeps the converted mask."""
-        return not self.softcap and (self.padding_mask or self.sdpa_window_mask)
+        batch × 1 × queries × keys boolean mask, ``is_causal`` off, k and v at every query head) or
+        packed documents (``document_mask``: measured on Llama with restarting positions and no
+        cache, the same batch × 1 × queries × keys boolean mask, ``is_causal`` off, k and v at
+        every query head). Either way k and v are ``repeat_kv``'s copies and the kernel keeps the
+        converted mask."""
+        return not self.softcap and (self.row_mask or self.sdpa_window_mask)
 
     @property
     def sdpa_given_mask(self) -> bool:
@@ -105,3 +133,11 @@ def padding_mask_for(w: Workload, *, bias: bool, softcap: bool) -> bool:
     the bias (not modelled), nor a soft-capped one, which transformers runs through FlashAttention's
     own padding-free (unpadded, variable-length) path rather than SDPA (not modelled either)."""
     return w.padded and not bias and not softcap
+
+
+def document_mask_for(w: Workload, *, bias: bool, softcap: bool) -> bool:
+    """Whether a call of ``w`` is given packed documents' block-diagonal mask
+    (``AttentionShape.document_mask``): where transformers builds it (``Workload.document_mask``),
+    but not for a biased call (an encoder-decoder's, which packing is not modelled for) nor a
+    soft-capped one (run through FlashAttention, not SDPA)."""
+    return w.document_mask and not bias and not softcap

@@ -72,8 +72,10 @@ def candidate_changes(base: Scenario) -> list[Change]:
     if t.seq_len >= 2:
         half = t.seq_len // 2
         sets = [f"training.seq_len={half}"]
-        if t.avg_seq_len is not None and t.avg_seq_len > half:
-            sets.append(f"training.avg_seq_len={half}")
+        for name in ("avg_seq_len", "avg_doc_len"):  # neither may exceed the halved rows
+            avg = getattr(t, name)
+            if avg is not None and avg > half:
+                sets.append(f"training.{name}={half}")
         changes.append(Change(what=f"sequence length {half}", cost="training recipe", overrides=tuple(sets)))
     return changes
 
