@@ -172,7 +172,7 @@ def test_unknown_key_far_from_any_lists_the_allowed(tmp_path: Path) -> None:
     message = error_of(tmp_path, '[model]\npreset = "tiny"\n[training]\nzzz = 1\n')
     assert (
         message
-        == f"{tmp_path / 's.toml'}: unknown key training.zzz; allowed: micro_batch, seq_len, grad_accum, avg_seq_len, loss, norm, sync_every_microbatch, decoder_seq_len, attention, keep_outputs, max_grad_norm"
+        == f"{tmp_path / 's.toml'}: unknown key training.zzz; allowed: micro_batch, seq_len, grad_accum, avg_seq_len, avg_doc_len, loss, norm, sync_every_microbatch, decoder_seq_len, attention, keep_outputs, max_grad_norm"
     )
 
 
