@@ -152,7 +152,13 @@ def test_on_a_gpu_packed_documents_run_memory_efficient_attention_like_padding()
     assert documents[0] > 2 * model.attention_s(causal, "flash")[0]
     sets = ["training.micro_batch=1", "training.avg_seq_len=2048"]
     scenario = load_scenario(PACKING, [*sets, "training.avg_doc_len=512"])
-    report = build_report(simulate(scenario, load_profile(scenario.cluster.profile, where="test"))).to_json()
+    built = build_report(simulate(scenario, load_profile(scenario.cluster.profile, where="test")))
+    report = built.to_json()
+    from sim.outputs.report_text import format_table
+
+    text = format_table(built)
+    assert "packing       4.0 documents of 512 tokens per row, positions restarting: SDPA given their" in text
+    assert "32 of 32 calls given a mask (documents): memory-efficient attention over every pair" in text
     assert report["attention"]["masked_by"] == ["documents"] and report["attention"]["masked_calls"] == 32
     assert report["packing"]["documents_per_row"] == 4.0 and report["packing"]["document_mask"]
     cached = load_scenario(PACKING, [*sets, "training.avg_doc_len=512", "model.use_cache=true"])
@@ -161,3 +167,17 @@ def test_on_a_gpu_packed_documents_run_memory_efficient_attention_like_padding()
     ).to_json()
     assert not cached_report["packing"]["document_mask"] and cached_report["attention"]["masked_calls"] == 0
     assert "crosses the documents" in cached_report["packing"]["note"]
+
+
+def test_the_tuners_halved_sequence_keeps_the_documents_within_the_rows() -> None:
+    """The fix-it search halves seq_len; a mean document or real length above the half is halved
+    with it, so that the changed scenario loads (its documents within its rows)."""
+    from sim.study.tune.fix import candidate_changes
+
+    base = load_scenario(TINY, ["training.avg_doc_len=48"])
+    (halved,) = [c for c in candidate_changes(base) if c.what.startswith("sequence length")]
+    assert halved.overrides == ("training.seq_len=32", "training.avg_doc_len=32")
+    assert load_scenario(TINY, ["training.avg_doc_len=48", *halved.overrides]).training.seq_len == 32
+    short = load_scenario(TINY, ["training.avg_doc_len=16"])
+    (kept,) = [c for c in candidate_changes(short) if c.what.startswith("sequence length")]
+    assert kept.overrides == ("training.seq_len=32",)
