@@ -15,7 +15,7 @@ from sim.errors import UserError
 from sim.hardware.registry import builtin_devices, load_profile
 from sim.scenario.loader import load_scenario
 from sim.simulate import _workload
-from sim.workload.forward import COLLATOR_MASK_TENSOR, layer_ops
+from sim.workload.forward import COLLATOR_INPUT_TENSOR, layer_ops
 from sim.workload.layer_op import LayerKind
 from sim.workload.layers import stack_masks
 from sim.workload.shapes import AttentionShape, Workload, document_mask_for
@@ -102,7 +102,7 @@ def test_a_described_models_measured_rotary_op_scales_with_the_rows(tmp_path: Pa
     )
     assert rows.forward_requests == tuple((t, B * n) for t, n in one.forward_requests)
     embed = next(op for op in packed if op.kind is LayerKind.EMBED)
-    assert embed.forward_requests[0] == (COLLATOR_MASK_TENSOR, -B * S * 8)
+    assert embed.forward_requests[0] == (COLLATOR_INPUT_TENSOR, -B * S * 8)
 
 
 @pytest.mark.parametrize(
@@ -181,3 +181,15 @@ def test_the_tuners_halved_sequence_keeps_the_documents_within_the_rows() -> Non
     short = load_scenario(TINY, ["training.avg_doc_len=16"])
     (kept,) = [c for c in candidate_changes(short) if c.what.startswith("sequence length")]
     assert kept.overrides == ("training.seq_len=32",)
+
+
+def test_a_model_without_rotary_tables_is_refused_packed_rows() -> None:
+    """Packing scales the rotary tables per row; a model whose positions take another path (a
+    learned embedding) is refused in one line rather than simulated without it."""
+    s = load_scenario(TINY, list(PACKED))
+    w = _workload(s, load_profile(s.cluster.profile, where="test"))
+    from sim.workload.forward import _with_row_positions
+
+    ops = tuple(op for op in layer_ops(s.model, replace(w, packed=False)) if op.kind is not LayerKind.ROTARY)
+    with pytest.raises(UserError, match=r"training\.avg_doc_len: .* model tiny has none"):
+        _with_row_positions(ops, w, "tiny")

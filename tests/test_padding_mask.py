@@ -18,7 +18,7 @@ from sim.hardware.registry import builtin_devices
 from sim.scenario.loader import load_scenario
 from sim.simulate import _workload
 from sim.workload.attention_kernel import attention_kernel_figures, attention_saved_pieces, mask_path_bytes
-from sim.workload.forward import COLLATOR_MASK_TENSOR, layer_ops
+from sim.workload.forward import COLLATOR_INPUT_TENSOR, layer_ops
 from sim.workload.layer_op import LayerKind
 from sim.workload.layers import stack_masks
 from sim.workload.shapes import AttentionShape, Workload, padding_mask_for
@@ -87,7 +87,7 @@ def test_the_stack_holds_one_mask_per_row_and_the_embedding_the_collators(tmp_pa
     assert embed.saved_bytes - embed_plain.saved_bytes == B * S * 8
     assert embed.saved_pieces == (B * S * 8, *embed_plain.saved_pieces)
     assert embed.forward_requests is not None and embed_plain.forward_requests is not None
-    assert embed.forward_requests == ((COLLATOR_MASK_TENSOR, -B * S * 8), *embed_plain.forward_requests)
+    assert embed.forward_requests == ((COLLATOR_INPUT_TENSOR, -B * S * 8), *embed_plain.forward_requests)
     assert all(op.attention.padding_mask for op in ops if op.attention is not None)
     assert not any(op.attention.padding_mask for op in plain if op.attention is not None)
     full, w_full = _tiny_ops(tmp_path, ["training.avg_seq_len=64"])  # no padding: no mask

@@ -14,12 +14,12 @@ from sim.workload.shapes import Workload
 
 # the tensor number of the collator's own input in the embedding's requests (apart from the
 # model's storages, the attention kernel's and QLoRA's dequantized weights)
-COLLATOR_MASK_TENSOR = -2000
+COLLATOR_INPUT_TENSOR = -2000
 
 
 def layer_ops(cfg: ModelConfig, w: Workload) -> tuple[LayerOp, ...]:
     """Every op of one forward pass in execution order."""
-    return _with_collator_input(_with_row_positions(_model_ops(cfg, w), w), w)
+    return _with_collator_input(_with_row_positions(_model_ops(cfg, w), w, cfg.name), w)
 
 
 def _with_collator_input(ops: tuple[LayerOp, ...], w: Workload) -> tuple[LayerOp, ...]:
@@ -32,14 +32,16 @@ def _with_collator_input(ops: tuple[LayerOp, ...], w: Workload) -> tuple[LayerOp
         return ops
     op, given = ops[first], w.tokens * INDEX_BYTES
     pieces = (given, *(op.saved_pieces or (op.saved_bytes,)))
-    requests = None if op.forward_requests is None else ((COLLATOR_MASK_TENSOR, -given), *op.forward_requests)
+    requests = (
+        None if op.forward_requests is None else ((COLLATOR_INPUT_TENSOR, -given), *op.forward_requests)
+    )
     with_input = dataclasses.replace(
         op, saved_bytes=op.saved_bytes + given, saved_pieces=pieces, forward_requests=requests
     )
     return (*ops[:first], with_input, *ops[first + 1 :])
 
 
-def _with_row_positions(ops: tuple[LayerOp, ...], w: Workload) -> tuple[LayerOp, ...]:
+def _with_row_positions(ops: tuple[LayerOp, ...], w: Workload, model: str) -> tuple[LayerOp, ...]:
     """Packed rows' positions are the collator's, one row per sequence (``Workload.position_rows``),
     where the model's own are one ``arange`` row broadcast over the batch: its rotary tables, each
     of the positions' shape (HF's rotary ``forward``: the positions in fp32, the frequencies
@@ -48,6 +50,12 @@ def _with_row_positions(ops: tuple[LayerOp, ...], w: Workload) -> tuple[LayerOp,
     rows = w.position_rows
     if rows == 1:
         return ops
+    if not any(op.kind is LayerKind.ROTARY for op in ops):
+        # a learned position embedding would take the batch's positions too (GPT-2's ``wpe``)
+        raise UserError(
+            "training.avg_doc_len: packed rows are modelled for models with rotary position "
+            f"embeddings (their tables made per row); model {model} has none"
+        )
     return tuple(_per_row(op, rows) if op.kind is LayerKind.ROTARY else op for op in ops)
 
 
