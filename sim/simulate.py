@@ -184,7 +184,7 @@ def build_step(
         )
         if training.keep_outputs
         else 0,
-        stack_masks=stack_masks(ops, workload),
+        stack_masks=stack_masks(model, ops, workload),
         stack_biases=stack_biases(model, workload),
         buffer_bytes=model_buffer_bytes(model)
         * dtype_bytes(_buffer_dtype(scenario))

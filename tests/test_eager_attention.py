@@ -174,9 +174,9 @@ def test_gemma2_calls_are_soft_capped_and_build_two_masks(gemma2: ModelConfig) -
     assert eager_op.forward_transient_bytes - flash_op.forward_transient_bytes == scores * 4
     # the two masks are the schedule's, each given to its own layer type's blocks (block 0
     # sliding-window, block 1 full)
-    masks = stack_masks(layer_ops(gemma2, w), w)
+    masks = stack_masks(gemma2, layer_ops(gemma2, w), w)
     assert sorted((m.bytes, sorted(m.blocks)) for m in masks) == [(t * S * 2, [0]), (t * S * 2, [1])]
-    assert stack_masks(layer_ops(gemma2, flash), flash) == ()
+    assert stack_masks(gemma2, layer_ops(gemma2, flash), flash) == ()
 
 
 def test_final_logit_soft_capping_keeps_the_capped_logits(gemma2: ModelConfig) -> None:

@@ -212,7 +212,7 @@ def test_eager_builds_a_float_mask_for_the_decoders_causal_calls_alone(t5: Model
     T5 with eager attention, whose position bias has no eager description; the rule is what
     any bidirectional model's eager path gets.)"""
     w = _workload("eager")
-    masks = stack_masks(layer_ops(t5, w), w)
+    masks = stack_masks(t5, layer_ops(t5, w), w)
     assert [(m.bytes, sorted(m.blocks)) for m in masks] == [(B * T * T * A, [3, 4])]
 
 

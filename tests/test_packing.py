@@ -18,7 +18,7 @@ from sim.simulate import _workload
 from sim.workload.forward import COLLATOR_INPUT_TENSOR, layer_ops
 from sim.workload.layer_op import LayerKind
 from sim.workload.layers import stack_masks
-from sim.workload.shapes import AttentionShape, Workload, document_mask_for
+from sim.workload.shapes import AttentionShape, Workload, row_masks_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "scenarios" / "tiny.toml")
@@ -63,10 +63,10 @@ def test_the_document_mask_needs_no_cache_and_a_current_transformers() -> None:
     w = Workload(
         micro_batch=B, seq_len=S, act_bytes=4, attention_kernel="flash", packed=True, document_mask=True
     )
-    assert document_mask_for(w, bias=False, softcap=False)
-    assert not document_mask_for(w, bias=True, softcap=False)
-    assert not document_mask_for(w, bias=False, softcap=True)
-    assert not document_mask_for(replace(w, document_mask=False), bias=False, softcap=False)
+    assert row_masks_for(w, bias=False, softcap=False) == (False, True)
+    assert row_masks_for(w, bias=True, softcap=False) == (False, False)
+    assert row_masks_for(w, bias=False, softcap=True) == (False, False)
+    assert row_masks_for(replace(w, document_mask=False), bias=False, softcap=False) == (False, False)
 
 
 def test_the_positions_and_the_rotary_tables_come_per_row() -> None:
@@ -80,11 +80,12 @@ def test_the_positions_and_the_rotary_tables_come_per_row() -> None:
     embed = next(op for op in packed if op.kind is LayerKind.EMBED)
     plain_embed = next(op for op in plain if op.kind is LayerKind.EMBED)
     assert embed.saved_bytes - plain_embed.saved_bytes == B * S * 8 == embed.saved_pieces[0]
-    masks = stack_masks(packed, w)
+    model = load_scenario(TINY, []).model
+    masks = stack_masks(model, packed, w)
     assert [(m.bytes, sorted(m.blocks)) for m in masks] == [(B * S * S, [0, 1])]
     calls = [op.attention for op in packed if op.attention is not None]
     assert calls and all(a.document_mask and a.sdpa_bool_mask and not a.padding_mask for a in calls)
-    assert stack_masks(plain, _ops(TINY)[1]) == ()
+    assert stack_masks(model, plain, _ops(TINY)[1]) == ()
 
 
 def test_a_described_models_measured_rotary_op_scales_with_the_rows(tmp_path: Path) -> None:

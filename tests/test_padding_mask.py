@@ -21,7 +21,8 @@ from sim.workload.attention_kernel import attention_kernel_figures, attention_sa
 from sim.workload.forward import COLLATOR_INPUT_TENSOR, layer_ops
 from sim.workload.layer_op import LayerKind
 from sim.workload.layers import stack_masks
-from sim.workload.shapes import AttentionShape, Workload, padding_mask_for
+from sim.workload.model import ModelConfig
+from sim.workload.shapes import AttentionShape, Workload, row_masks_for
 
 B, S, H, KV, D = 2, 64, 4, 2, 16  # tiny-llama: 4 query heads, 2 key/value heads
 CAUSAL = AttentionShape(batch=B, seq_len=S, heads=H, kv_heads=KV, head_dim=D)
@@ -34,13 +35,17 @@ def _workload_of(*, padded: bool, a: int = 4, kernel: str = "flash") -> Workload
 
 
 def test_which_calls_are_given_the_padding_mask() -> None:
-    """Every call of padded rows, but T5's biased ones (the padding folded into the bias) and a
-    soft-capped one (not run through SDPA); none without padding."""
+    """Every call of padded rows, T5's biased ones included (the padding folded into the bias, one
+    per row, no boolean mask of the kernel's own), but a soft-capped one (not run through SDPA);
+    none without padding, and no documents' mask either way."""
     padded, unpadded = _workload_of(padded=True), _workload_of(padded=False)
-    assert padding_mask_for(padded, bias=False, softcap=False)
-    assert not padding_mask_for(padded, bias=True, softcap=False)
-    assert not padding_mask_for(padded, bias=False, softcap=True)
-    assert not padding_mask_for(unpadded, bias=False, softcap=False)
+    assert row_masks_for(padded, bias=False, softcap=False) == (True, False)
+    assert row_masks_for(padded, bias=True, softcap=False) == (True, False)
+    assert row_masks_for(padded, bias=False, softcap=True) == (False, False)
+    assert row_masks_for(unpadded, bias=False, softcap=False) == (False, False)
+    biased = replace(PADDED, bias=True, bias_grad=True)
+    assert biased.bias_rows == B and not biased.sdpa_bool_mask and biased.sdpa_given_mask
+    assert replace(CAUSAL, bias=True).bias_rows == 1 and PADDED.bias_rows == 1
     assert PADDED.sdpa_bool_mask and PADDED.sdpa_given_mask and not PADDED.sdpa_window_mask
     assert not CAUSAL.sdpa_bool_mask and not replace(PADDED, softcap=True).sdpa_bool_mask
 
@@ -65,12 +70,12 @@ def test_a_padded_call_keeps_the_copies_and_the_converted_mask(a: int) -> None:
     assert attention_kernel_figures(PADDED, eager)[1] == attention_kernel_figures(CAUSAL, eager)[1]
 
 
-def _tiny_ops(tmp_path: Path, sets: list[str]) -> tuple[tuple, Workload]:
+def _tiny_ops(tmp_path: Path, sets: list[str]) -> tuple[tuple, Workload, ModelConfig]:
     scenario = load_scenario(tiny_with_config(tmp_path, "tiny-llama.json"), sets)
     from sim.hardware.registry import load_profile
 
     w = _workload(scenario, load_profile(scenario.cluster.profile, where="test"))
-    return layer_ops(scenario.model, w), w
+    return layer_ops(scenario.model, w), w, scenario.model
 
 
 def test_the_stack_holds_one_mask_per_row_and_the_embedding_the_collators(tmp_path: Path) -> None:
@@ -78,11 +83,11 @@ def test_the_stack_holds_one_mask_per_row_and_the_embedding_the_collators(tmp_pa
     x S bytes (one row per sequence, unlike a window's expanded view), and the collator's int64
     mask (B x S x 8 B) the embedding's first kept tensor; none of it without padding."""
     pytest.importorskip("transformers")
-    ops, w = _tiny_ops(tmp_path, ["training.avg_seq_len=40"])
-    plain, w_plain = _tiny_ops(tmp_path, [])
+    ops, w, model = _tiny_ops(tmp_path, ["training.avg_seq_len=40"])
+    plain, w_plain, _ = _tiny_ops(tmp_path, [])
     assert w.padded and not w_plain.padded
-    assert [(m.bytes, sorted(m.blocks)) for m in stack_masks(ops, w)] == [(B * S * S, [0, 1])]
-    assert stack_masks(plain, w_plain) == ()
+    assert [(m.bytes, sorted(m.blocks)) for m in stack_masks(model, ops, w)] == [(B * S * S, [0, 1])]
+    assert stack_masks(model, plain, w_plain) == ()
     embed, embed_plain = (next(op for op in o if op.kind is LayerKind.EMBED) for o in (ops, plain))
     assert embed.saved_bytes - embed_plain.saved_bytes == B * S * 8
     assert embed.saved_pieces == (B * S * 8, *embed_plain.saved_pieces)
@@ -90,8 +95,8 @@ def test_the_stack_holds_one_mask_per_row_and_the_embedding_the_collators(tmp_pa
     assert embed.forward_requests == ((COLLATOR_INPUT_TENSOR, -B * S * 8), *embed_plain.forward_requests)
     assert all(op.attention.padding_mask for op in ops if op.attention is not None)
     assert not any(op.attention.padding_mask for op in plain if op.attention is not None)
-    full, w_full = _tiny_ops(tmp_path, ["training.avg_seq_len=64"])  # no padding: no mask
-    assert not w_full.padded and stack_masks(full, w_full) == ()
+    full, w_full, _ = _tiny_ops(tmp_path, ["training.avg_seq_len=64"])  # no padding: no mask
+    assert not w_full.padded and stack_masks(model, full, w_full) == ()
 
 
 def test_a_subclassed_embedding_takes_the_token_ids_and_the_collators_mask(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from simtest import HF_CONFIGS, real_step_peak, tiny_with_config
 
 from sim.workload.attention_kernel import attention_kernel_figures, attention_saved_pieces
 from sim.workload.layers import stack_masks
+from sim.workload.model import ModelConfig
 from sim.workload.shapes import AttentionShape, Workload
 
 B, S, H, KV, D = 2, 64, 4, 2, 16  # tiny-mistral: 4 query heads, 2 key/value heads, window 32
@@ -41,7 +42,7 @@ def test_a_window_the_keys_reach_keeps_the_copies_and_the_mask(a: int) -> None:
     assert attention_kernel_figures(SHAPE, eager)[1] == attention_kernel_figures(unreached, eager)[1]
 
 
-def _mistral_ops(kernel: str) -> tuple[list, Workload]:
+def _mistral_ops(kernel: str) -> tuple[list, Workload, ModelConfig]:
     from hfmodel.describe import describe
     from sim.workload.description import parse_description
     from sim.workload.forward import layer_ops
@@ -56,7 +57,7 @@ def _mistral_ops(kernel: str) -> tuple[list, Workload]:
     )
     model = ModelConfig.of(parse_description(json.loads(json.dumps(data)), "tiny-mistral"))
     w = Workload(micro_batch=B, seq_len=S, act_bytes=2, attention_kernel=kernel)
-    return list(layer_ops(model, w)), w
+    return list(layer_ops(model, w)), w, model
 
 
 def test_the_stack_holds_a_boolean_mask_under_sdpa_and_a_float_one_eager() -> None:
@@ -64,8 +65,8 @@ def test_the_stack_holds_a_boolean_mask_under_sdpa_and_a_float_one_eager() -> No
     view), B x S x S in bf16 eager."""
     pytest.importorskip("transformers")
     for kernel, nbytes in (("flash", S * S), ("eager", B * S * S * 2)):
-        ops, w = _mistral_ops(kernel)
-        assert [(m.bytes, sorted(m.blocks)) for m in stack_masks(ops, w)] == [(nbytes, [0, 1])]
+        ops, w, model = _mistral_ops(kernel)
+        assert [(m.bytes, sorted(m.blocks)) for m in stack_masks(model, ops, w)] == [(nbytes, [0, 1])]
 
 
 @pytest.mark.parametrize("mode", ["none", "full"])

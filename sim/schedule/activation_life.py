@@ -117,21 +117,30 @@ def bias_grads_ended(cfg: StepConfig, i: int) -> list[int]:
     ]
 
 
-def first_block_segment(cfg: StepConfig) -> int | None:
-    """The first segment inside a block (where the decoder stack has built its masks)."""
-    return next((j for j, s in enumerate(cfg.segments) if s.block is not None), None)
+def stack_mask_made(cfg: StepConfig, mask: int, i: int) -> bool:
+    """Whether HF's attention mask ``mask`` (of ``StepConfig.stack_masks``) is built as segment
+    ``i``'s forward starts: its stack's first segment inside a block (a stack builds its masks
+    before its first block; an encoder-decoder's decoder its own as its stack starts)."""
+    first = cfg.stack_masks[mask].stack_first
+    return next((j for j, s in enumerate(cfg.segments) if s.block == first), None) == i
 
 
 def stack_mask_end(cfg: StepConfig, mask: int, i: int, *, backward: bool) -> bool:
     """Whether HF's attention mask ``mask`` (of ``StepConfig.stack_masks``) goes at the end
-    of segment ``i``'s forward (or, with ``backward``, its backward). Where no block given it is
-    checkpointed it goes when the decoder stack returns (after its last block's forward); else
-    each checkpoint region keeps the mask its blocks are given among the inputs its
-    recomputation is called with, so it goes with the first such region, whose backward ends last
-    (measured with a weak reference on transformers 5.24's Llama, full and every-2nd-block
-    checkpointing; Gemma 2 gives each layer its own type's mask)."""
-    segs = cfg.segments
-    holder = min((b for b in cfg.stack_masks[mask].blocks if cfg.checkpoint.covers(b)), default=None)
+    of segment ``i``'s forward (or, with ``backward``, its backward). Where no block given it
+    keeps it, it goes when its stack returns (after its stack's last block's forward); else each
+    checkpoint region keeps the mask its blocks are given among the inputs its recomputation is
+    called with, so it goes with the first such region, whose backward ends last (measured with a
+    weak reference on transformers 5.24's Llama, full and every-2nd-block checkpointing; Gemma 2
+    gives each layer its own type's mask), and a mask the blocks' own ops keep for backward
+    (``StackMask.kept_for_backward``) goes with its first block's backward, checkpointed or
+    not."""
+    segs, m = cfg.segments, cfg.stack_masks[mask]
+    holder = min((b for b in m.blocks if m.kept_for_backward or cfg.checkpoint.covers(b)), default=None)
     if backward:
         return holder is not None and segs[i].block == holder and first_of_block(cfg, i)
-    return holder is None and i == max(j for j, s in enumerate(segs) if s.block is not None)
+    in_blocks = [j for j, s in enumerate(segs) if s.block is not None]
+    last = (
+        in_blocks[-1] if m.stack_last is None else max(j for j in in_blocks if segs[j].block == m.stack_last)
+    )
+    return holder is None and i == last

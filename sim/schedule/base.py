@@ -19,12 +19,12 @@ from sim.schedule.activation_life import (
     bias_grads_ended,
     cache_appends,
     cache_holder,
-    first_block_segment,
     first_of_block,
     held_block_input_bytes,
     next_region_checkpointed,
     previous_output,
     stack_mask_end,
+    stack_mask_made,
 )
 from sim.schedule.emit import OpEmitter
 from sim.schedule.model_state import resident_allocs
@@ -250,12 +250,12 @@ class ScheduleBuilder(OpEmitter):
         return end_allocs, frees
 
     def _stack_masks_made(self, i: int, mb: int, acts: Activations) -> list[Alloc]:
-        """HF's attention masks (``StepConfig.stack_masks``), built by the decoder stack
-        before its first block: allocated as the first block's forward starts."""
-        if not self.cfg.stack_masks or i != first_block_segment(self.cfg):
-            return []
+        """HF's attention masks (``StepConfig.stack_masks``), built by their stack before its
+        first block: allocated as that block's forward starts (``stack_mask_made``)."""
         allocs = []
         for k, mask in enumerate(self.cfg.stack_masks):
+            if not stack_mask_made(self.cfg, k, i):
+                continue
             acts.stack_masks[k] = self.label("stack_masks" if k == 0 else f"stack_masks#{k}", ROOT, mb)
             allocs.append(
                 Alloc(label=acts.stack_masks[k], category=MemoryCategory.ACTIVATIONS, bytes=mask.bytes)

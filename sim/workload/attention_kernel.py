@@ -48,8 +48,14 @@ def _math_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tup
     per_score = MATH_SAVED_BYTES_PER_SCORE + (MATH_DROPOUT_SAVED_BYTES_PER_SCORE if shape.dropout else 0)
     saved = FP32_BYTES * (t * q_dim + t_kv * kv_dim) + scores * per_score
     saved += t * out_dim * w.act_bytes if output_saved else 0
-    low_precision_copy = scores * w.act_bytes if w.act_bytes < FP32_BYTES else 0
-    return saved, low_precision_copy, scores * MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE
+    forward = _math_low_precision_copy(shape, w) + folded_bias_bytes(shape, w.act_bytes)
+    return saved, forward, scores * MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE
+
+
+def _math_low_precision_copy(shape: AttentionShape, w: Workload) -> int:
+    """The math path's low-precision copy of the scores (none for fp32 inputs)."""
+    scores = shape.batch * shape.seq_len * shape.heads * shape.kv_len
+    return scores * w.act_bytes if w.act_bytes < FP32_BYTES else 0
 
 
 def _eager_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tuple[int, int, int]:
@@ -98,13 +104,31 @@ def _eager_backward_in_model(shape: AttentionShape, w: Workload) -> int:
 def _fused_bias_bytes(shape: AttentionShape, a: int) -> tuple[int, int]:
     """A fused kernel given an additive bias (T5's relative position bias; flash takes none, so
     SDPA runs memory-efficient attention): it keeps the bias, one per call broadcast over the
-    batch, its last dimension padded to 16, and, when the bias is learned, its backward allocates
-    the bias's gradient in the broadcast shape, batch × heads × queries × padded keys
-    (torch 2.13 ``_efficient_attention_backward``, ``grad_bias = at::empty(bias->sizes())``).
+    batch or, with padding folded in, one per row (``AttentionShape.bias_rows``), its last
+    dimension padded to 16, and, when the bias is learned, its backward allocates the bias's
+    gradient in the broadcast shape, batch × heads × queries × padded keys (torch 2.13
+    ``_efficient_attention_backward``, ``grad_bias = at::empty(bias->sizes())``).
     Not validated: no GPU here (the CPU runs the math path)."""
     padded = 16 * ((shape.kv_len + 15) // 16)
     per_batch = shape.heads * shape.seq_len * padded * a
-    return per_batch, shape.batch * per_batch if shape.bias_grad else 0
+    return shape.bias_rows * per_batch, shape.batch * per_batch if shape.bias_grad else 0
+
+
+def folded_bias_bytes(shape: AttentionShape, a: int) -> int:
+    """What a call whose padding is folded into its bias (``AttentionShape.bias_rows``) holds
+    beyond the unpadded call while its kernel runs: ``create_position_bias_mask``'s batch ×
+    heads × queries × keys ``torch.where`` output (or its ``contiguous()`` copy), less the
+    heads × queries × keys copy the unpadded call made of a learned bias, which reaches it as
+    ``compute_bias``'s permuted view (the decoder's zero cross-attention bias is contiguous:
+    nothing copied). Measured on tiny-t5 at 1 × 512 with a 128-token decoder, fp32, on the
+    CPU's math path: the encoder's calls one 4 MiB ``where`` output and its copy in place of the
+    unpadded 4 MiB copy, the cross-attention's one 1 MiB ``where`` output more. Freed as the
+    call returns (the math path saves neither; a fused kernel keeps it, ``_fused_bias_bytes``).
+    The ``where`` backward's batch-sized gradient comes after the kernel's backward has freed
+    more (measured: below the math path's backward peak), so it adds nothing there."""
+    if not shape.folds_mask:
+        return 0
+    return (shape.bias_rows - (1 if shape.bias_grad else 0)) * shape.heads * shape.seq_len * shape.kv_len * a
 
 
 def fused_kernel(kernel: str) -> bool:
@@ -134,7 +158,15 @@ def mask_path_bytes(shape: AttentionShape, w: Workload) -> tuple[int, int]:
     one: forward, the mask's conversion to the query's dtype (reads a byte, writes one element
     per query and key) and ``repeat_kv``'s copies of k and v (reads them at the key/value heads,
     writes them at every query head); backward, the copies' gradients summed back to the
-    key/value heads (the same bytes)."""
+    key/value heads (the same bytes). A call whose padding is folded into its bias
+    (``AttentionShape.bias_rows``): forward, ``torch.where`` reads the boolean mask and the bias
+    and writes one per row, and a learned bias's ``contiguous()`` copy grows as large; backward,
+    a learned bias's ``where`` reads the mask and the gradient and writes it masked."""
+    if _fused(w) and shape.folds_mask:
+        bias = shape.heads * shape.seq_len * shape.kv_len * w.act_bytes
+        rows, mask = shape.bias_rows * bias, shape.batch * shape.seq_len * shape.kv_len
+        copy_growth = 2 * (rows - bias) if shape.bias_grad else 0
+        return mask + bias + rows + copy_growth, mask + 2 * rows if shape.bias_grad else 0
     if not _fused(w) or not shape.sdpa_bool_mask:
         return 0, 0
     convert = shape.batch * shape.seq_len * shape.kv_len * (1 + w.act_bytes)
@@ -211,11 +243,16 @@ def attention_kernel_requests(
         before_copy = next(ids)
         requests += [(before_copy, out_bytes), (before_copy, 0)]
     elif w.attention_kernel == "math":  # one saved block (its output included), as its figures
-        saved, copy, _ = _math_figures(shape, w, output_saved)
+        saved, _, _ = _math_figures(shape, w, output_saved)
+        copy = _math_low_precision_copy(shape, w)
+        folded = folded_bias_bytes(shape, a)
+        folded_id = next(ids)
+        requests += [(folded_id, folded)] if folded else []
         requests.append((next(ids), -saved))
         if copy:
             low = next(ids)
             requests += [(low, copy), (low, 0)]
+        requests += [(folded_id, 0)] if folded else []
         output_saved = False
     else:
         requests.append((next(ids), -t * shape.heads * FP32_BYTES))
@@ -294,6 +331,12 @@ def attention_kernel_figures(
         if shape.bias:
             bias_saved, bias_grad = _fused_bias_bytes(shape, a)
             saved, bwd_transient = saved + bias_saved, bwd_transient + bias_grad
+            if shape.folds_mask and shape.bias_grad:
+                # padding folded into a learned bias: the ``where`` output beside the copy the
+                # kernel keeps, and its backward's gradient beside the bias's once dq has gone
+                where = shape.bias_rows * shape.heads * shape.seq_len * s * a
+                fwd_transient = where
+                bwd_transient = bias_grad + max(t * q_dim * FP32_BYTES, where)
     elif w.attention_kernel == "eager":
         saved, fwd_transient, bwd_transient = _eager_figures(shape, w, output_saved)
         if shape.backward_start_bytes is not None:  # a peak in the model, not on top of its own

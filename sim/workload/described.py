@@ -25,7 +25,7 @@ from sim.workload.finetune import FinetuneFacts, dequant_bytes, dequant_transien
 from sim.workload.layer_op import LayerKind, LayerOp
 from sim.workload.layers import _sac_kept
 from sim.workload.params import ParamSpec
-from sim.workload.shapes import AttentionShape, Request, Workload, document_mask_for, padding_mask_for
+from sim.workload.shapes import AttentionShape, Request, Workload, row_masks_for
 
 KINDS = {k.value: k for k in LayerKind}
 # the first number QLoRA's dequantized weights take as tensors of an op's requests (counting down,
@@ -43,9 +43,14 @@ def _check_workload(d: ModelDescription, w: Workload) -> None:
         )
 
 
-def _kernel_shape(a: AttentionCall, w: Workload) -> AttentionShape:
+def _kernel_shape(a: AttentionCall, w: Workload, *, encoder_decoder: bool) -> AttentionShape:
     """The attention call the tracer recorded, as the kernel model's shape (given the collator's
-    padding mask where ``w``'s rows are padded: the tracer's forward is given none)."""
+    padding mask where ``w``'s rows are padded: the tracer's forward is given none). In an
+    encoder-decoder the causal calls are its decoder's self-attention, over the labels' tokens,
+    which the collator does not pad."""
+    padding_mask, document_mask = row_masks_for(
+        w, bias=a.bias, softcap=a.softcap, over_labels=encoder_decoder and a.causal
+    )
     return AttentionShape(
         batch=a.batch,
         seq_len=a.seq_len,
@@ -60,8 +65,8 @@ def _kernel_shape(a: AttentionCall, w: Workload) -> AttentionShape:
         bias=a.bias,
         bias_grad=a.bias_grad,
         softcap=a.softcap,
-        padding_mask=padding_mask_for(w, bias=a.bias, softcap=a.softcap),
-        document_mask=document_mask_for(w, bias=a.bias, softcap=a.softcap),
+        padding_mask=padding_mask,
+        document_mask=document_mask,
         backward_start_bytes=a.backward_start_bytes,
     )
 
@@ -80,10 +85,10 @@ def kernel_output_saved(a: AttentionCall, w: Workload) -> bool:
     return not a.output_counted or (a.query_not_bshd and w.attention_kernel in OUTPUT_AS_QUERY)
 
 
-def _attention_op(op: DescribedOp, base: LayerOp, w: Workload) -> LayerOp:
+def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, *, encoder_decoder: bool) -> LayerOp:
     assert op.attention is not None
     a = op.attention
-    shape = _kernel_shape(a, w)
+    shape = _kernel_shape(a, w, encoder_decoder=encoder_decoder)
     output_saved = kernel_output_saved(a, w)
     flops, saved, fwd, bwd = attention_kernel_figures(
         shape, w, output_saved=output_saved, model_backward_bytes=base.backward_transient_bytes
@@ -226,7 +231,7 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
     )
 
 
-def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload) -> LayerOp:
+def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, *, encoder_decoder: bool) -> LayerOp:
     single = len(op.gemms) == 1 and op.gemms[0][3] == 1
     base = LayerOp(
         name=op.name,
@@ -261,7 +266,9 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload) -> Laye
         backward_memory_bytes=op.backward_memory_bytes,
         reuses=op.reuses,
     )
-    return _attention_op(op, base, w) if op.attention is not None else base
+    if op.attention is None:
+        return base
+    return _attention_op(op, base, w, encoder_decoder=encoder_decoder)
 
 
 def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
@@ -282,7 +289,7 @@ def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
 def described_layer_ops(d: ModelDescription, w: Workload) -> tuple[LayerOp, ...]:
     _check_workload(d, w)
     specs = {s.name: s for s in d.params}
-    ops = [_layer_op(op, specs, w) for op in d.ops]
+    ops = [_layer_op(op, specs, w, encoder_decoder=d.decoder_seq_len is not None) for op in d.ops]
     if d.finetune is not None and d.finetune.quantized:
         ops = [_dequantized(op, d.finetune, w) for op in ops]
     return tuple(_with_sac(ops, w))

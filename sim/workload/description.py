@@ -165,6 +165,12 @@ class ModelDescription:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ModelDescription) and other.key == self.key
 
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        """Each block's stack, the module path its block sits in (an encoder-decoder's
+        ``encoder.block`` and ``decoder.block``; a decoder's one stack)."""
+        return tuple(b.rpartition(".")[0] for b in self.blocks)
+
 
 class _Reader:
     """Typed access to one JSON object, every mistake named by the file and key."""

@@ -52,17 +52,23 @@ from sim.workload.loss import fused_linear_cross_entropy
 from sim.workload.model import ModelConfig, ParamSpec, layer_params, layer_prefix, param_specs
 from sim.workload.op_counts import FUSED_NORM_HOST_OPS, FUSED_NORM_LAUNCHES, HOST_OPS, LAUNCHES
 from sim.workload.options import LossKernel, NormKernel
-from sim.workload.shapes import AttentionShape, Workload, document_mask_for, padding_mask_for
+from sim.workload.shapes import AttentionShape, Workload, row_masks_for
 
 
 @dataclass(frozen=True, kw_only=True)
 class StackMask:
-    """One of the attention masks HF's decoder stack builds before its first block (eager: an
-    additive float mask; SDPA given a window or a collator's padding: a boolean one): its bytes
-    and the blocks it is given to."""
+    """One of the attention masks HF's stack builds before its first block (eager: an additive
+    float mask; SDPA given a window or a collator's padding: a boolean one): its bytes, the blocks
+    it is given to, its stack's first and last blocks (it is built as the first one's forward
+    starts and, unless something keeps it, goes as the last one's ends) and whether the ops of the
+    blocks given it keep it for their backward (T5's learned bias with padding folded in:
+    ``torch.where``'s backward takes the condition)."""
 
     bytes: int
     blocks: frozenset[int]
+    stack_first: int = 0
+    stack_last: int | None = None  # None: the model's last block (as a decoder-only stack ends)
+    kept_for_backward: bool = False
 
 
 def _cast_bytes(a: int) -> int:
@@ -174,47 +180,69 @@ def _linear(spec: ParamSpec, w: Workload, block: int | None) -> LayerOp:
     )
 
 
-def stack_masks(ops: Sequence[LayerOp], w: Workload) -> tuple[StackMask, ...]:
-    """The attention masks HF's decoder stack builds once per forward before its first block
+def stack_masks(cfg: ModelConfig, ops: Sequence[LayerOp], w: Workload) -> tuple[StackMask, ...]:
+    """The attention masks HF's stacks build once per forward before their first block
     (``masking_utils``: one per causal pattern, ``create_causal_mask`` and, for sliding-window
     layers, ``create_sliding_window_causal_mask``), each with the blocks whose attention is given
-    it (a pattern: the call's window and lengths; Gemma 2's full and sliding-window layers, each
-    layer given its own type's mask, ``causal_mask_mapping[config.layer_types[i]]``).
+    it (a pattern: the call's stack, window and lengths; Gemma 2's full and sliding-window layers,
+    each layer given its own type's mask, ``causal_mask_mapping[config.layer_types[i]]``; T5's
+    encoder and its decoder's cross-attention, ``create_bidirectional_mask``).
 
     Eager: an additive float mask per causal pattern (``eager_mask`` never skips one), batch × 1 ×
     queries × keys in the activation dtype. SDPA's kernels: a causal flag and no mask, but for a
-    window its keys reach, a collator's padding or packed documents (``AttentionShape.sdpa_bool_mask``): a boolean
+    window its keys reach, a collator's padding or packed documents (``AttentionShape.sdpa_bool_mask``,
+    and T5's padded biased calls, ``AttentionShape.bias_rows``): a boolean
     mask, one byte per query and key, its batch an expanded view where only the window makes it
     (measured: 4,096 B at 64 tokens, held by the checkpointed blocks like the float one), one row
     per sequence where padding or packing does (measured: 8,192 B at 2 × 64). None for a
-    bidirectional call without padding."""
+    bidirectional call without padding. T5's encoder calls, whose bias is learned, fold the mask
+    into it with ``torch.where``, whose backward keeps the mask until the first of them has run
+    (measured on tiny-t5 at 2 × 64 with 40 real tokens a row: 8,192 B more at the loss's backward,
+    16,384 B with the decoder's cross-attention mask under full checkpointing)."""
     eager = w.attention_kernel == "eager"
-    patterns: dict[tuple[int | None, int, int], tuple[int, set[int]]] = {}
+    d = cfg.description
+    stacks = d.stacks if d is not None else ("",) * cfg.n_layers
+    patterns: dict[tuple[str, int | None, int, int], tuple[int, set[int], bool]] = {}
     for op in ops:
         a = op.attention
         if a is None or op.block is None:
             continue
-        if not ((eager and (a.causal or a.row_mask)) or a.sdpa_bool_mask):
+        folded = a.folds_mask  # T5's padding folded into its bias
+        if not ((eager and (a.causal or a.row_mask)) or a.sdpa_bool_mask or folded):
             continue
-        key = (a.window, a.seq_len, a.kv_len)
+        key = (stacks[op.block], a.window, a.seq_len, a.kv_len)
         rows = a.batch if eager or a.row_mask else 1
         nbytes = rows * a.seq_len * a.kv_len * (w.act_bytes if eager else 1)
-        _, blocks = patterns.setdefault(key, (nbytes, set()))
+        _, blocks, kept = patterns.setdefault(key, (nbytes, set(), False))
         blocks.add(op.block)
-    return tuple(StackMask(bytes=n, blocks=frozenset(b)) for n, b in patterns.values())
+        patterns[key] = (nbytes, blocks, kept or (folded and a.bias_grad))
+    masks = []
+    for (stack, *_), (n, blocks, kept) in patterns.items():
+        in_stack = [b for b, s in enumerate(stacks) if s == stack]
+        masks.append(
+            StackMask(
+                bytes=n,
+                blocks=frozenset(blocks),
+                stack_first=in_stack[0],
+                stack_last=in_stack[-1],
+                kept_for_backward=kept,
+            )
+        )
+    return tuple(masks)
 
 
 def _attention(cfg: ModelConfig, i: int, w: Workload) -> LayerOp:
     t, a = w.tokens, w.act_bytes
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_dim
+    padding_mask, document_mask = row_masks_for(w, bias=False, softcap=False)
     shape = AttentionShape(
         batch=w.micro_batch,
         seq_len=w.seq_len,
         heads=cfg.n_heads,
         kv_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim,
-        padding_mask=padding_mask_for(w, bias=False, softcap=False),
-        document_mask=document_mask_for(w, bias=False, softcap=False),
+        padding_mask=padding_mask,
+        document_mask=document_mask,
     )
     flops, saved, fwd_transient, bwd_transient = attention_kernel_figures(shape, w)
     return LayerOp(

@@ -61,10 +61,10 @@ class AttentionShape:
     bias: bool = False  # an additive float bias masks the scores (T5's relative position bias)
     bias_grad: bool = False  # the bias is learned: its gradient flows back (not T5's cross-attention)
     softcap: bool = False  # tanh soft-capping of the scores (Gemma 2's ``attn_logit_softcapping``)
-    # the call is given a collator's padding mask (``Workload.padded``, ``padding_mask_for``)
+    # the call is given a collator's padding mask (``Workload.padded``, ``row_masks_for``)
     padding_mask: bool = False
     # the call is given packed documents' block-diagonal mask (``Workload.document_mask``,
-    # ``document_mask_for``)
+    # ``row_masks_for``)
     document_mask: bool = False
     # what the model's backward holds as the kernel's backward starts, its output's gradient
     # among it (measured for a described model's call); None: the kernel alone (the hand-written
@@ -105,8 +105,24 @@ class AttentionShape:
         packed documents (``document_mask``: measured on Llama with restarting positions and no
         cache, the same batch × 1 × queries × keys boolean mask, ``is_causal`` off, k and v at
         every query head). Either way k and v are ``repeat_kv``'s copies and the kernel keeps the
-        converted mask."""
-        return not self.softcap and (self.row_mask or self.sdpa_window_mask)
+        converted mask. Not for a biased call: T5's padding reaches the kernel folded into its
+        float bias (``bias_rows``)."""
+        return not self.softcap and not self.bias and (self.row_mask or self.sdpa_window_mask)
+
+    @property
+    def bias_rows(self) -> int:
+        """The batch rows of the additive bias a biased call hands the kernel: one, broadcast over
+        the batch, unless a row mask is folded into it (T5 with padded rows:
+        ``create_position_bias_mask``'s ``torch.where(mask, position_bias, min)`` over the
+        batch × 1 × queries × keys boolean mask, batch × heads × queries × keys; measured on
+        tiny-t5 on the CPU, every encoder and cross-attention call)."""
+        return self.batch if self.folds_mask else 1
+
+    @property
+    def folds_mask(self) -> bool:
+        """Whether the call's row mask is folded into its additive bias (T5 with padded rows,
+        ``bias_rows``), a new batch × heads × queries × keys tensor at any batch."""
+        return self.bias and self.row_mask
 
     @property
     def sdpa_given_mask(self) -> bool:
@@ -127,17 +143,17 @@ class AttentionShape:
 Request = tuple[int, int]
 
 
-def padding_mask_for(w: Workload, *, bias: bool, softcap: bool) -> bool:
-    """Whether a call of ``w`` is given the collator's padding mask (``AttentionShape.padding_mask``):
-    where the rows are padded, but not for T5's biased calls, whose padding transformers folds into
-    the bias (not modelled), nor a soft-capped one, which transformers runs through FlashAttention's
-    own padding-free (unpadded, variable-length) path rather than SDPA (not modelled either)."""
-    return w.padded and not bias and not softcap
+def row_masks_for(w: Workload, *, bias: bool, softcap: bool, over_labels: bool = False) -> tuple[bool, bool]:
+    """Whether a call of ``w`` is given the collator's padding mask and packed documents'
+    block-diagonal mask (``AttentionShape.padding_mask``, ``document_mask``), as a pair.
 
-
-def document_mask_for(w: Workload, *, bias: bool, softcap: bool) -> bool:
-    """Whether a call of ``w`` is given packed documents' block-diagonal mask
-    (``AttentionShape.document_mask``): where transformers builds it (``Workload.document_mask``),
-    but not for a biased call (an encoder-decoder's, which packing is not modelled for) nor a
-    soft-capped one (run through FlashAttention, not SDPA)."""
-    return w.document_mask and not bias and not softcap
+    Padding: wherever the rows are padded, T5's biased calls included (``create_position_bias_mask``
+    folds the boolean mask into the bias, ``AttentionShape.bias_rows``), but not a call
+    ``over_labels`` (an encoder-decoder's decoder self-attention: its tokens are the labels, which
+    the collator does not pad; measured on tiny-t5, whose decoder calls keep ``is_causal``'s
+    triangle alone) nor a soft-capped
+    call, which transformers runs through FlashAttention's own padding-free (unpadded,
+    variable-length) path rather than SDPA (not modelled). Documents: where transformers builds
+    their mask (``Workload.document_mask``), but not for a biased call (an encoder-decoder's,
+    which packing is not modelled for) nor a soft-capped one (run through FlashAttention)."""
+    return w.padded and not softcap and not over_labels, w.document_mask and not bias and not softcap

@@ -47,7 +47,7 @@ def stack_biases(cfg: ModelConfig, w: Workload) -> tuple[StackBias, ...]:
     d = cfg.description
     if d is None:
         return ()
-    stacks = [b.rpartition(".")[0] for b in d.blocks]
+    stacks = d.stacks
     found: dict[tuple[str, int], StackBias] = {}
     calls = [0] * len(d.blocks)  # attention calls met so far in each block
     for op in d.ops:
