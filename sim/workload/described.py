@@ -85,7 +85,9 @@ def kernel_output_saved(a: AttentionCall, w: Workload) -> bool:
     return not a.output_counted or (a.query_not_bshd and w.attention_kernel in OUTPUT_AS_QUERY)
 
 
-def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, *, encoder_decoder: bool) -> LayerOp:
+def _attention_op(
+    op: DescribedOp, base: LayerOp, w: Workload, *, encoder_decoder: bool, makes_bias: bool
+) -> LayerOp:
     assert op.attention is not None
     a = op.attention
     shape = _kernel_shape(a, w, encoder_decoder=encoder_decoder)
@@ -99,6 +101,7 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, *, encoder_decode
     given = _given_bytes(shape, w, output_saved)
     kernel_backward = attention_kernel_backward_requests(shape, w, output_saved=output_saved)
     mask_fwd_bytes, mask_bwd_bytes = mask_path_bytes(shape, w)
+    overlap = min(bwd, _bias_grads_after_kernel(shape, w, makes_bias=makes_bias))
     # the kernel's backward: twice its forward FLOPs (the convention of ``sim.costs.compute``)
     backward_flops = None if base.backward_flops is None else base.backward_flops + 2.0 * flops
     return LayerOp(
@@ -130,8 +133,10 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, *, encoder_decode
             *_kernel_own_pieces(own, saved - given),
             fwd,
         ),
-        backward_transient_bytes=base.backward_transient_bytes + bwd,
-        backward_transient_pieces=_joined(base.backward_transient_bytes, base.backward_transient_pieces, bwd),
+        backward_transient_bytes=base.backward_transient_bytes + bwd - overlap,
+        backward_transient_pieces=_joined(
+            base.backward_transient_bytes, base.backward_transient_pieces, bwd - overlap
+        ),
         backward_requests=None
         if base.backward_requests is None
         else (*kernel_backward, *base.backward_requests),
@@ -148,6 +153,21 @@ def _attention_op(op: DescribedOp, base: LayerOp, w: Workload, *, encoder_decode
         if base.backward_memory_bytes is None
         else base.backward_memory_bytes + mask_bwd_bytes,
     )
+
+
+def _bias_grads_after_kernel(shape: AttentionShape, w: Workload, *, makes_bias: bool) -> int:
+    """Of the op's measured backward transient, the learned bias's gradients the math path makes
+    only once its own backward has freed its s² gradients (``MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE``:
+    the bias's gradient adds nothing to that peak): the call's own gradient, heads × queries × keys
+    in the activation dtype, and in the block that made the bias (its stack's first) the sum of it
+    and the gradient the later blocks accumulated, which the tracer's probe held beside it (the
+    accumulated one is alive through the kernel's backward). The probe makes them while the
+    model's other tensors are held, so the op's figure counted them on top of the kernel's
+    gradients: t5's checkpointed encoder blocks, whose backward peaks there, read up to 10 % high
+    (tiny-t5 at 2 × 512, fp32). A fused kernel's bias gradient is its own figure's."""
+    if w.attention_kernel != "math" or not shape.bias_grad:
+        return 0
+    return (2 if makes_bias else 1) * shape.heads * shape.seq_len * shape.kv_len * w.act_bytes
 
 
 def _joined(nbytes: int | None, pieces: tuple[int, ...], *more: int) -> tuple[int, ...]:
@@ -231,7 +251,9 @@ def _dequantized(op: LayerOp, facts: FinetuneFacts, w: Workload) -> LayerOp:
     )
 
 
-def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, *, encoder_decoder: bool) -> LayerOp:
+def _layer_op(
+    op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, *, encoder_decoder: bool, makes_bias: bool
+) -> LayerOp:
     single = len(op.gemms) == 1 and op.gemms[0][3] == 1
     base = LayerOp(
         name=op.name,
@@ -268,7 +290,7 @@ def _layer_op(op: DescribedOp, specs: dict[str, ParamSpec], w: Workload, *, enco
     )
     if op.attention is None:
         return base
-    return _attention_op(op, base, w, encoder_decoder=encoder_decoder)
+    return _attention_op(op, base, w, encoder_decoder=encoder_decoder, makes_bias=makes_bias)
 
 
 def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
@@ -289,7 +311,14 @@ def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
 def described_layer_ops(d: ModelDescription, w: Workload) -> tuple[LayerOp, ...]:
     _check_workload(d, w)
     specs = {s.name: s for s in d.params}
-    ops = [_layer_op(op, specs, w, encoder_decoder=d.decoder_seq_len is not None) for op in d.ops]
+    stacks = d.stacks
+    first_of_stack = {b for b in range(len(stacks)) if b == 0 or stacks[b - 1] != stacks[b]}
+    ops = [
+        _layer_op(
+            op, specs, w, encoder_decoder=d.decoder_seq_len is not None, makes_bias=op.block in first_of_stack
+        )
+        for op in d.ops
+    ]
     if d.finetune is not None and d.finetune.quantized:
         ops = [_dequantized(op, d.finetune, w) for op in ops]
     return tuple(_with_sac(ops, w))
