@@ -106,15 +106,26 @@ def test_space_keeps_the_global_batch_and_dedups(small: Path) -> None:
 
 
 def test_bounds_never_exceed_the_simulation(small: Path) -> None:
-    """The memory and step-time bounds are below the simulated peak and step for every candidate."""
+    """The memory and step-time bounds are below the simulated peak and step for every candidate
+    (the brute-force search simulates each one, its bounds computed from the same step as
+    ``bound`` computes them; one candidate checked here against its own step and a fresh run)."""
     scenario = load_scenario(small)
+    brute, _ = searched(small, False)
+    assert {e.candidate for e in brute.evaluated if e.report is not None} == set(
+        candidates(scenario, global_batch(scenario))
+    )
+    for e in brute.evaluated:
+        assert e.report is not None
+        assert e.memory_bound_bytes <= e.report.to_json()["peak_memory_bytes"], e.candidate
+        assert e.time_bound_s <= e.step_time_s * (1 + 1e-12), e.candidate
     profile = load_profile(scenario.cluster.profile)
-    for c in candidates(scenario, global_batch(scenario)):
-        s = apply(scenario, c)
-        step, _, _ = build_step(s, profile)
-        report = build_report(simulate(s, profile)).to_json()
-        assert memory_lower_bound_bytes(step) <= report["peak_memory_bytes"], c
-        assert step_time_lower_bound_s(step) <= report["step_time_s"] * (1 + 1e-12), c
+    first = brute.evaluated[0]
+    s = apply(scenario, first.candidate)
+    step, _, _ = build_step(s, profile)
+    report = build_report(simulate(s, profile)).to_json()
+    assert memory_lower_bound_bytes(step) == first.memory_bound_bytes <= report["peak_memory_bytes"]
+    assert step_time_lower_bound_s(step) == first.time_bound_s
+    assert report["step_time_s"] == first.step_time_s
 
 
 def test_pruning_never_drops_a_fitting_point(small: Path) -> None:
