@@ -108,7 +108,9 @@ def test_cross_attention_kernel_bytes() -> None:
     assert (fwd, bwd) == (0, tq * 64 * FP32_BYTES)  # no bias gradient: T5's cross-attention bias is zeros
     _, saved, fwd, bwd = attention_kernel_figures(cross, _workload("math"), output_saved=False)
     assert saved == FP32_BYTES * (tq * 64 + tk * 2 * 64) + scores * 3 * FP32_BYTES
-    assert (fwd, bwd) == (scores * A, scores * FP32_BYTES)
+    # forward: the low-precision copy of the scores and, with dropout, fp32 q (the decoder's
+    # tokens), k (the encoder's) and the output (the decoder's) beside it
+    assert (fwd, bwd) == (scores * A + FP32_BYTES * (tq * 64 + tk * 64 + tq * 64), scores * FP32_BYTES)
     learned = AttentionShape(batch=B, seq_len=S, heads=H, kv_heads=H, head_dim=16, bias=True, bias_grad=True)
     _, _, _, bwd = attention_kernel_figures(learned, _workload("math"), output_saved=False)
     # the bias's gradient is made after the score gradient's peak, when the saves are gone

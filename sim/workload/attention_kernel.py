@@ -53,9 +53,23 @@ def _math_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tup
 
 
 def _math_low_precision_copy(shape: AttentionShape, w: Workload) -> int:
-    """The math path's low-precision copy of the scores (none for fp32 inputs)."""
-    scores = shape.batch * shape.seq_len * shape.heads * shape.kv_len
-    return scores * w.act_bytes if w.act_bytes < FP32_BYTES else 0
+    """The math path's forward peak beyond what it saves, for low-precision inputs (none for
+    fp32): the low-precision copy of the scores and, with dropout, beside it the fp32 copies of q
+    and k before their scaling (held to the call's end) and the fp32 output before its cast
+    (measured 2026-12-08 with live storages on bf16 inputs, a learned bias and dropout 0.1, to the
+    byte: batch 1-2, 4 heads, head dims 16-32, values 16-32 wide, 128-256 queries over 256 keys,
+    ``tests/test_math_attention_memory.py``). Without dropout the peak differs (about 4 B per
+    score: not modelled); GQA's ``enable_gqa`` expansion adds k and v at the key/value heads (not
+    modelled: transformers repeats them before a masked call)."""
+    if w.act_bytes >= FP32_BYTES:
+        return 0
+    t, t_kv = shape.batch * shape.seq_len, shape.batch * shape.kv_len
+    scores = t * shape.heads * shape.kv_len
+    beside = 0
+    if shape.dropout:
+        q_k = (t + t_kv) * shape.head_dim
+        beside = FP32_BYTES * shape.heads * (q_k + t * (shape.v_head_dim or shape.head_dim))
+    return scores * w.act_bytes + beside
 
 
 def _eager_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tuple[int, int, int]:
