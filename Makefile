@@ -25,10 +25,9 @@ lint: install
 	$(BIN)/ruff format --check sim calibrate validation hfmodel tests bench
 	$(BIN)/mypy
 
-# two workers, one test file each (a file's module fixtures, e.g. its calibrated profile, run once),
-# the files with the most real torch.distributed runs first (tests/conftest.py)
+# two workers, one test file each (a file's module fixtures, e.g. its calibrated profile, run once)
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 bench: install
 	$(BIN)/python -m bench

@@ -2,7 +2,6 @@
 session fixture at most once, for the files it runs."""
 
 import shutil
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,15 +10,6 @@ from simtest import run_calibrate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "scenarios" / "tiny.toml"
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with the most real ``torch.distributed`` runs (``slow``) first, in a stable sort:
-    under ``make test``'s ``--no-loadscope-reorder`` xdist hands the workers whole files in this
-    order, so the longest files start first and the two workers finish together (longest
-    processing time first) instead of one finishing a long file alone at the end."""
-    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])
 
 
 @pytest.fixture(scope="session", autouse=True)
