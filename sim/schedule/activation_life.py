@@ -139,8 +139,4 @@ def stack_mask_end(cfg: StepConfig, mask: int, i: int, *, backward: bool) -> boo
     holder = min((b for b in m.blocks if m.kept_for_backward or cfg.checkpoint.covers(b)), default=None)
     if backward:
         return holder is not None and segs[i].block == holder and first_of_block(cfg, i)
-    in_blocks = [j for j, s in enumerate(segs) if s.block is not None]
-    last = (
-        in_blocks[-1] if m.stack_last is None else max(j for j in in_blocks if segs[j].block == m.stack_last)
-    )
-    return holder is None and i == last
+    return holder is None and i == max(j for j, s in enumerate(segs) if s.block == m.stack_last)

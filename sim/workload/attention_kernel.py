@@ -48,11 +48,11 @@ def _math_figures(shape: AttentionShape, w: Workload, output_saved: bool) -> tup
     per_score = MATH_SAVED_BYTES_PER_SCORE + (MATH_DROPOUT_SAVED_BYTES_PER_SCORE if shape.dropout else 0)
     saved = FP32_BYTES * (t * q_dim + t_kv * kv_dim) + scores * per_score
     saved += t * out_dim * w.act_bytes if output_saved else 0
-    forward = _math_low_precision_copy(shape, w) + folded_bias_bytes(shape, w.act_bytes)
+    forward = _math_forward_beyond_saved(shape, w) + folded_bias_bytes(shape, w.act_bytes)
     return saved, forward, scores * MATH_BACKWARD_TRANSIENT_BYTES_PER_SCORE
 
 
-def _math_low_precision_copy(shape: AttentionShape, w: Workload) -> int:
+def _math_forward_beyond_saved(shape: AttentionShape, w: Workload) -> int:
     """The math path's forward peak beyond what it saves, for low-precision inputs (none for
     fp32): the low-precision copy of the scores and, with dropout, beside it the fp32 copies of q
     and k before their scaling (held to the call's end) and the fp32 output before its cast
@@ -258,14 +258,14 @@ def attention_kernel_requests(
         requests += [(before_copy, out_bytes), (before_copy, 0)]
     elif w.attention_kernel == "math":  # one saved block (its output included), as its figures
         saved, _, _ = _math_figures(shape, w, output_saved)
-        copy = _math_low_precision_copy(shape, w)
+        beyond = _math_forward_beyond_saved(shape, w)
         folded = folded_bias_bytes(shape, a)
-        folded_id = next(ids)
+        folded_id = next(ids) if folded else 0
         requests += [(folded_id, folded)] if folded else []
         requests.append((next(ids), -saved))
-        if copy:
+        if beyond:
             low = next(ids)
-            requests += [(low, copy), (low, 0)]
+            requests += [(low, beyond), (low, 0)]
         requests += [(folded_id, 0)] if folded else []
         output_saved = False
     else:

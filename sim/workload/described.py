@@ -311,8 +311,7 @@ def _with_sac(ops: Sequence[LayerOp], w: Workload) -> list[LayerOp]:
 def described_layer_ops(d: ModelDescription, w: Workload) -> tuple[LayerOp, ...]:
     _check_workload(d, w)
     specs = {s.name: s for s in d.params}
-    stacks = d.stacks
-    first_of_stack = {b for b in range(len(stacks)) if b == 0 or stacks[b - 1] != stacks[b]}
+    first_of_stack = d.stack_firsts
     ops = [
         _layer_op(
             op, specs, w, encoder_decoder=d.decoder_seq_len is not None, makes_bias=op.block in first_of_stack

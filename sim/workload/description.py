@@ -171,6 +171,13 @@ class ModelDescription:
         ``encoder.block`` and ``decoder.block``; a decoder's one stack)."""
         return tuple(b.rpartition(".")[0] for b in self.blocks)
 
+    @property
+    def stack_firsts(self) -> frozenset[int]:
+        """The blocks that start a stack (an encoder-decoder's ``encoder.block.0`` and
+        ``decoder.block.0``, where T5's stacks make their position biases)."""
+        stacks = self.stacks
+        return frozenset(b for b in range(len(stacks)) if b == 0 or stacks[b - 1] != stacks[b])
+
 
 class _Reader:
     """Typed access to one JSON object, every mistake named by the file and key."""

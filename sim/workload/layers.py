@@ -66,9 +66,9 @@ class StackMask:
 
     bytes: int
     blocks: frozenset[int]
-    stack_first: int = 0
-    stack_last: int | None = None  # None: the model's last block (as a decoder-only stack ends)
-    kept_for_backward: bool = False
+    stack_first: int
+    stack_last: int
+    kept_for_backward: bool
 
 
 def _cast_bytes(a: int) -> int:

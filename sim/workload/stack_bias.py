@@ -47,7 +47,7 @@ def stack_biases(cfg: ModelConfig, w: Workload) -> tuple[StackBias, ...]:
     d = cfg.description
     if d is None:
         return ()
-    stacks = d.stacks
+    stacks, firsts = d.stacks, d.stack_firsts
     found: dict[tuple[str, int], StackBias] = {}
     calls = [0] * len(d.blocks)  # attention calls met so far in each block
     for op in d.ops:
@@ -55,7 +55,7 @@ def stack_biases(cfg: ModelConfig, w: Workload) -> tuple[StackBias, ...]:
         if a is None or b is None:
             continue
         nth, calls[b] = calls[b], calls[b] + 1
-        if not a.bias or b == 0 or stacks[b - 1] != stacks[b]:
+        if not a.bias or b in firsts:
             continue  # no bias, or the stack's first block, which makes it
         # the kind of attention: its place in the block (a T5 decoder block's self-attention, then
         # its cross-attention; the two have the same lengths where the decoder is as long)
