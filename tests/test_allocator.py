@@ -126,6 +126,28 @@ def test_reserved_curve_covers_the_allocated_bytes_at_every_record():
     assert all(b >= a for a, b in zip(grown, grown[1:], strict=False))
 
 
+def test_the_two_cublas_workspaces_are_held_from_the_steps_start():
+    """The forward's thread and the autograd engine's device thread each hold a cuBLAS workspace
+    (one per handle and stream; handles are per thread): Hopper's 32 MiB ones take a segment each,
+    and the active and reserved curves start with both, one point per record."""
+    from sim.outputs.allocator import CUBLAS_WORKSPACE_THREADS, peak_active_bytes, reserved_curve
+    from sim.scenario.loader import load_scenario
+    from sim.simulate import simulate
+
+    result = simulate(load_scenario(Path(__file__).resolve().parent.parent / "scenarios" / "tiny.toml"))
+    table, capacity, workspace = result.events, 80 << 30, 32 * MIB
+    assert len(CUBLAS_WORKSPACE_THREADS) == 2
+    bare = reserved_curve(table, 0, capacity)
+    curve = reserved_curve(table, 0, capacity, workspace_bytes=workspace)
+    records = len(table.memory_of(0))
+    assert len(curve.times_s) == len(curve.reserved_bytes) == len(curve.active_bytes) == records + 2
+    assert curve.active_bytes[:2] == (workspace, 2 * workspace)
+    assert curve.reserved_bytes[0] == workspace  # the first in a segment of its own (>= 10 MiB)
+    assert curve.peak_active_bytes() == bare.peak_active_bytes() + 2 * workspace
+    assert curve.peak_active_bytes() == peak_active_bytes(table, 0, workspace_bytes=workspace)
+    assert curve.peak_bytes() == bare.peak_bytes() + 2 * workspace  # neither fits a hole of the step
+
+
 def _table(*records: tuple[int, str, tuple[int, ...]]):  # type: ignore[no-untyped-def]
     from sim.core.events import EventTable, MemoryCategory, MemoryRecord
 

@@ -31,9 +31,13 @@ def test_replay_of_a_hand_made_log() -> None:
     assert one == {"peak_allocated_bytes": 62 * MIB, "peak_reserved_bytes": 72 * MIB}
     # a second step reuses the first one's cached segments: nothing more is reserved
     assert replay(events, 1, capacity_bytes=BIG, workspace_bytes=0, steps=2) == one
+    # two cuBLAS workspaces (the forward's thread and autograd's): 8 MiB each share a 20 MiB segment
     with_workspace = replay(events, 1, capacity_bytes=BIG, workspace_bytes=8 * MIB, steps=1)
-    assert with_workspace["peak_allocated_bytes"] == 70 * MIB
-    assert with_workspace["peak_reserved_bytes"] == 72 * MIB + 20 * MIB  # 8 MiB: a 20 MiB segment
+    assert with_workspace["peak_allocated_bytes"] == 62 * MIB + 2 * 8 * MIB
+    assert with_workspace["peak_reserved_bytes"] == 72 * MIB + 20 * MIB
+    # Hopper's 32 MiB ones each take a segment of their own
+    hopper = replay(events, 1, capacity_bytes=BIG, workspace_bytes=32 * MIB, steps=1)
+    assert hopper == {"peak_allocated_bytes": 62 * MIB + 64 * MIB, "peak_reserved_bytes": 72 * MIB + 64 * MIB}
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ from typing import Any
 from sim.core.events import Stream
 from sim.errors import UserError
 from sim.fileio import write_bytes_atomic
+from sim.outputs.allocator import CUBLAS_WORKSPACE_THREADS
 from sim.outputs.caching_allocator import CachingAllocator
 
 # CUDA streams are numbered by their handle; the replay needs only which are the same
@@ -73,8 +74,9 @@ def replay(
             allocator.free(label)
             live -= sizes.pop(label)
 
-    if workspace_bytes:
-        apply("alloc", -1, workspace_bytes, "compute")
+    if workspace_bytes:  # the cuBLAS workspaces, one per thread that runs matmuls
+        for i, _ in enumerate(CUBLAS_WORKSPACE_THREADS, start=1):
+            apply("alloc", -i, workspace_bytes, "compute")
     for event in events[:step_start]:
         apply(*event)
     for _ in range(steps):

@@ -42,7 +42,7 @@ def fsdp1_init_order(units: Sequence[WrapUnit]) -> list[WrapUnit]:
 def simulated_reserved_bytes(result: SimResult, *, fsdp1_init: bool) -> tuple[int, int]:
     """(reserved after the initialisation, peak reserved of the step) of rank 0's simulated
     allocations through ``CachingAllocator``, as ``sim.outputs.allocator.reserved_curve`` replays
-    them (the cuBLAS workspace first; the step in its steady state). With ``fsdp1_init`` the allocator first goes through FSDP1's
+    them (the cuBLAS workspaces first; the step in its steady state). With ``fsdp1_init`` the allocator first goes through FSDP1's
     initialisation as ``FullyShardedDataParallel(module, device_id=...)`` does it to a model on the
     CPU: per unit (``fsdp1_init_order``) each parameter moved to the GPU, the ``FlatParameter``
     made (``torch.cat``) and the parameters freed, the shard cloned out of it (the step's

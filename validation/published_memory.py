@@ -132,7 +132,7 @@ MEMORY_RUNS: list[PublishedMemoryRun] = [
         reserved_gib=19.36,
         note=COOKBOOK_NOTE,
         measured_here_bytes=16_357_050_880,
-        replayed_reserved_bytes=18_614_321_152,
+        replayed_reserved_bytes=18_635_292_672,
     ),
     PublishedMemoryRun(
         name="the same with `outputs = model(**batch)` kept through backward (`training.keep_outputs`)",
@@ -142,7 +142,7 @@ MEMORY_RUNS: list[PublishedMemoryRun] = [
         reserved_gib=27.36,
         note=COOKBOOK_NOTE,
         measured_here_bytes=21_700_594_180,
-        replayed_reserved_bytes=27_204_255_744,
+        replayed_reserved_bytes=27_225_227_264,
     ),
     PublishedMemoryRun(
         name="the same, also without limit_all_gathers",
@@ -422,30 +422,30 @@ def _replay_paragraph(runs: list[PublishedMemoryRun]) -> str:
         "The source's own allocations through the allocator model: `python -m validation.allocator_replay "
         "--memory-row N --site DIR` logs every storage that code allocates and frees in its step, in order "
         "(unsharded flat parameters on the unshard stream, `_reduce_grad`'s on the post-backward stream), and "
-        "replays the log through `sim/outputs/allocator.py` with the cuBLAS workspace first. Its peak reserved: "
+        "replays the log through `sim/outputs/allocator.py` with the two cuBLAS workspaces first (the forward's thread's and the autograd engine's, `CUBLAS_WORKSPACE_THREADS`). Its peak reserved: "
         + "; ".join(
             f"{r.replayed_reserved_bytes / GIB:.2f} GiB ({r.replayed_reserved_bytes / GIB / r.reserved_gib - 1:+.1%} "
             "from the published reserved)"
             for r in runs
             if r.replayed_reserved_bytes
         )
-        + " (the rows in order, measured 2026-12-03; the 70B row's with its replayed allocated 41.43 GiB, the "
+        + " (the rows in order, measured 2026-12-08; the 70B row's with its replayed allocated 41.43 GiB, the "
         "fake run's). The 70B row's replay is 25 % below its published reserved, as its allocated is 17 GiB "
         "below its published active: the blocks held back from reuse are not in any sequence the host logs "
         "(see that row's note). So the allocator model, fed the real sequence, reserves 7-11 % less than the "
         "GPU did in the LoRA rows; replaying the step two or three times changes nothing in either (measured 2026-12-04), so what it "
         "misses is not the step's own reuse; nor is it reuse deferred by `record_stream`: holding every free of the "
         "unshard and post-backward streams' blocks until up to three more unsharded flat parameters have been "
-        "allocated (a host one to three units ahead) leaves the first row's replay at 17.34 GiB (measured "
-        "2026-12-04); nor the segments FSDP1's initialisation leaves cached: the simulated step after it "
+        "allocated (a host one to three units ahead) leaves the first row's replay where it was (17.34 GiB, "
+        "measured 2026-12-04 with one cuBLAS workspace); nor the segments FSDP1's initialisation leaves cached: the simulated step after it "
         "(per unit each parameter moved to the GPU, the FlatParameter made and the parameters freed, the "
         "shard cloned out and the full one freed, then `empty_cache()` and the peak reset, as the recipe's "
         "`MemoryTrace` does; `validation/fsdp1_init.py`) reserves "
         + _fsdp1_init_text(runs)
         + "; nor the CUDA dropout kernel: with PEFT's LoRA dropout run as CUDA runs it (ATen's fused "
         "`native_dropout`, an output and a bool mask, where the CPU composite makes an fp32 noise tensor; "
-        "in the first row 128 of the step's 128 MiB requests become 32 MiB ones) the replays stay at 17.34 and 25.34 GiB "
-        "(measured 2026-12-04). The candidate left: allocations fake mode cannot see. "
+        "in the first row 128 of the step's 128 MiB requests become 32 MiB ones) the replays stay where they were "
+        "(17.34 and 25.34 GiB, measured 2026-12-04 with one cuBLAS workspace). The candidate left: allocations fake mode cannot see. "
         "How the simulated step asks the allocator: each segment's forward and backward in its ops' own "
         "order of requests (`SegmentFigures.forward_order` and `backward_order`, `sim/costs/request_order.py`): "
         "the tracer's allocations and frees of every storage, op by op (`hfmodel/trace.py`: a call's outputs "

@@ -200,12 +200,12 @@ def allocator_order(records: list[MemoryRecord]) -> list[MemoryRecord]:
     return sorted(records, key=lambda rec: rec.allocator_s)
 
 
-def active_steps(records: list[MemoryRecord], workspace_bytes: int = 0) -> list[int]:
+def active_steps(records: list[MemoryRecord]) -> list[int]:
     """The caching allocator's active bytes after each of ``records`` (in the allocator's order,
     ``allocator_order``; ``torch.cuda.memory_stats()``'s ``active_bytes`` less the 512 B rounding):
     its live blocks, those freed while another stream still uses them (``record_stream``) held until
-    it passes, and the cuBLAS workspace."""
-    live, out = workspace_bytes, []
+    it passes."""
+    live, out = 0, []
     for rec in records:
         live += rec.delta_bytes
         out.append(live)
@@ -213,13 +213,25 @@ def active_steps(records: list[MemoryRecord], workspace_bytes: int = 0) -> list[
 
 
 def peak_active_bytes(table: EventTable, rank: int, *, workspace_bytes: int = 0) -> int:
-    """The caching allocator's peak active bytes on ``rank`` (``active_bytes.all.peak``)."""
-    steps = active_steps(allocator_order(table.memory_of(rank)), workspace_bytes)
-    return max(steps, default=workspace_bytes)
+    """The caching allocator's peak active bytes on ``rank`` (``active_bytes.all.peak``), with the
+    cuBLAS workspaces of ``workspace_bytes`` each (``workspace_records``)."""
+    records = [*workspace_records(rank, workspace_bytes), *allocator_order(table.memory_of(rank))]
+    return max(active_steps(records), default=0)
+
+
+# The cuBLAS workspaces a training step holds. ATen gives each (cuBLAS handle, stream) that runs a
+# cuBLAS kernel a workspace from the caching allocator, never freed (pytorch/pytorch@26a39059
+# aten/src/ATen/cuda/CublasHandlePool.cpp, setWorkspaceForHandle), and a handle is per thread (a
+# thread-local PoolWindow of the handle pool): the calling thread runs the forward's matmuls, the
+# autograd engine's device thread the backward's ("the backward pass runs on device-specific
+# worker threads", torch.autograd.grad_mode.set_multithreading_enabled), both on the compute
+# stream: two workspaces.
+CUBLAS_WORKSPACE_THREADS = ("forward", "backward")
 
 
 def workspace_records(rank: int, workspace_bytes: int) -> list[MemoryRecord]:
-    """The cuBLAS workspace as the allocation the replays serve first (none for 0 bytes)."""
+    """The cuBLAS workspaces (``CUBLAS_WORKSPACE_THREADS``) as the allocations the replays serve
+    first (none for 0 bytes): they outlive every step, so a steady-state step starts with both."""
     if not workspace_bytes:
         return []
     return [
@@ -228,8 +240,9 @@ def workspace_records(rank: int, workspace_bytes: int) -> list[MemoryRecord]:
             time_s=0.0,
             category=MemoryCategory.OTHER,
             delta_bytes=workspace_bytes,
-            label="cublas_workspace",
+            label=f"cublas_workspace:{thread}",
         )
+        for thread in CUBLAS_WORKSPACE_THREADS
     ]
 
 
@@ -237,25 +250,25 @@ def reserved_curve(
     table: EventTable, rank: int, capacity_bytes: int, *, expandable: bool = False, workspace_bytes: int = 0
 ) -> ReservedCurve:
     """The caching allocator replayed over ``rank``'s allocations in the order it sees them, the
-    cuBLAS workspace first (it is allocated through the allocator, once per stream that runs
-    matmuls: the compute stream), in the steady state (``steady_state_replay``: the step after a
-    first one)."""
+    cuBLAS workspaces first (``workspace_records``), in the steady state (``steady_state_replay``:
+    the step after a first one)."""
     workspace = workspace_records(rank, workspace_bytes)
     step = allocator_order(list(table.memory_of(rank)))
     records = [*workspace, *step]
     times = tuple(r.allocator_s for r in records)
-    active = tuple(active_steps(records))  # the workspace record is the first of them
+    active = tuple(active_steps(records))  # the workspace records are the first of them
     if expandable:
         return ReservedCurve(
             times_s=times, reserved_bytes=tuple(expandable_steps(records)), active_bytes=active
         )
     allocator = CachingAllocator(capacity_bytes)
     served: Served = {}
+    before_step: list[int] = []  # after each workspace but the last: its point is the step's start
     for rec in workspace:
         serve_record(allocator, rec, served)
-    reserved = steady_state_replay(allocator, step, served)
-    if not workspace:  # the workspace's point is the measured step's start
-        reserved = reserved[1:]
+        before_step.append(allocator.reserved)
+    reserved = steady_state_replay(allocator, step, served)  # the step's start, then each record
+    reserved = [*before_step[:-1], *reserved] if workspace else reserved[1:]
     return ReservedCurve(times_s=times, reserved_bytes=tuple(reserved), active_bytes=active)
 
 
