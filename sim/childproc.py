@@ -14,6 +14,7 @@ re-imported in the child.
 This module imports no torch: the server does, in its own process.
 """
 
+import contextlib
 import json
 import os
 import select
@@ -77,21 +78,40 @@ class _Server:
         reply: dict[str, object] = json.loads(line)
         return reply
 
-    def run(self, request: dict[str, object], timeout_s: float) -> int:
+    def send(self, request: dict[str, object]) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
+
+    def start(self, request: dict[str, object]) -> int:
+        """Send ``request``; the forked child's pid once it has started."""
+        self.send(request)
+        return self.started()
+
+    def started(self) -> int:
+        """The pid of the child the last request forked, once the server has forked it."""
         started = self._reply(None)
         assert started is not None
+        pid = started["pid"]
+        assert isinstance(pid, int)
+        return pid
+
+    def ended(self, timeout_s: float | None) -> int | None:
+        """The running child's exit code once it has ended; None if it has not within ``timeout_s``."""
         done = self._reply(timeout_s)
         if done is None:
-            pid = started["pid"]
-            assert isinstance(pid, int)
-            os.kill(pid, signal.SIGKILL)
-            self._reply(None)
-            raise ChildTimeout
+            return None
         code = done["returncode"]
         assert isinstance(code, int)
+        return code
+
+    def run(self, request: dict[str, object], timeout_s: float) -> int:
+        pid = self.start(request)
+        code = self.ended(timeout_s)
+        if code is None:
+            os.kill(pid, signal.SIGKILL)
+            self.ended(None)
+            raise ChildTimeout
         return code
 
 
@@ -155,3 +175,68 @@ def _served(server: _Server, request: dict[str, object], module: str, timeout_s:
     with _lock:
         _idle.append(server)
     return code
+
+
+class RunningChild:
+    """A child started by ``start_module``, running beside the caller until it ends or is killed."""
+
+    def __init__(self, module: str, request: dict[str, object], folder: tempfile.TemporaryDirectory[str]):
+        self.module = module
+        self._folder = folder
+        self._server = _take()
+        self._server.send(request)  # not waiting: servers started for several children import at once
+        self._pid: int | None = None
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        if self._pid is None:
+            self._pid = self._server.started()
+        return self._pid
+
+    def poll(self, timeout_s: float | None = 0.0) -> int | None:
+        """The exit code once the child has ended (waiting up to ``timeout_s``), else None."""
+        if self.returncode is None:
+            assert self.pid  # the "started" reply comes first
+            self.returncode = self._server.ended(timeout_s)
+            if self.returncode is not None:
+                with _lock:
+                    _idle.append(self._server)
+        return self.returncode
+
+    def kill(self) -> None:
+        """End the child now (SIGKILL) and reap it; its server serves on."""
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.poll(None)
+
+    def result(self) -> ChildResult:
+        """Its exit code and captured output (killed first if still running); call once."""
+        self.kill()
+        folder = Path(self._folder.name)
+        read = lambda path: path.read_text(errors="replace") if path.exists() else ""  # noqa: E731
+        out = ChildResult(
+            returncode=self.returncode or 0, stdout=read(folder / "stdout"), stderr=read(folder / "stderr")
+        )
+        self._folder.cleanup()
+        return out
+
+
+def start_module(
+    module: str, argv: list[str], *, env: dict[str, str], cwd: str | Path, preload: tuple[str, ...] = ()
+) -> RunningChild:
+    """``python -m module *argv`` forked from a preloaded server (as ``run_module``), returned while
+    it runs: the ranks of a real ``torch.distributed`` run start so, each from a server of its own,
+    and a process that runs many of them (the test suite) pays their imports once per server."""
+    folder = tempfile.TemporaryDirectory(prefix="fsdpsim-child-")
+    request: dict[str, object] = {
+        "module": module,
+        "argv": list(argv),
+        "env": dict(env),
+        "cwd": str(cwd),
+        "stdout": str(Path(folder.name) / "stdout"),
+        "stderr": str(Path(folder.name) / "stderr"),
+        "preload": list(preload),
+    }
+    return RunningChild(module, request, folder)

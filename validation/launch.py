@@ -1,6 +1,17 @@
-"""Start N ranks of ``python -m validation.worker`` on this machine (gloo), as torchrun would."""
+"""Start N ranks of ``python -m validation.worker`` on this machine (gloo), with torchrun's
+environment (``calibrate.launch.worker_env``).
+
+On a machine without a GPU each rank is forked from a server that imported torch, transformers
+and the worker once (``sim.childproc.start_module``): a rank's imports are most of a tiny model's
+run (3.5-4 s of CPU a rank here, against well under a second of training), and a process that
+validates many times (the test suite, a sweep of validations) pays them once per server. Each
+rank is still a process of its own with its own process group, as torchrun's would be. Where
+NVIDIA's driver is loaded, each rank is a fresh interpreter instead (``subprocess``): a process
+forked from one that has touched CUDA (``torch.cuda.is_available()`` at an import initialises the
+driver) cannot use it."""
 
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -8,11 +19,55 @@ import time
 from pathlib import Path
 
 from calibrate.launch import describe, free_port, stop, wait_all, worker_env
+from sim.childproc import RunningChild, start_module
 from sim.errors import UserError
+
+# what every rank imports before it runs (the worker's own imports, the model class it builds)
+RANK_PRELOAD = ("validation.worker", "validation.build", "transformers.models.llama.modeling_llama")
+POLL_S = 0.05
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")  # present where NVIDIA's kernel driver is loaded
 
 
 def run_ranks(module: str, args: list[str], nproc: int, timeout_s: float) -> None:
-    """Run ``python -m module *args`` as ``nproc`` ranks; raise UserError if one fails or hangs."""
+    """Run ``python -m module *args`` as ``nproc`` ranks; raise UserError if one fails or hangs
+    (the others are stopped at once)."""
+    if NVIDIA_DRIVER.exists():
+        _fresh_ranks(module, args, nproc, timeout_s)
+    else:
+        _forked_ranks(module, args, nproc, timeout_s)
+
+
+def _forked_ranks(module: str, args: list[str], nproc: int, timeout_s: float) -> None:
+    port = free_port()
+    command = f"python -m {module} {' '.join(args)}"
+    ranks: list[RunningChild] = []
+    try:
+        for r in range(nproc):
+            env = worker_env(r, nproc, port, command)
+            ranks.append(start_module(module, args, env=env, cwd=os.getcwd(), preload=RANK_PRELOAD))
+        for child in ranks:  # every rank forked (a server started now imports first): the limit starts
+            assert child.pid
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [rank.poll() for rank in ranks]
+            failed = next(((r, c) for r, c in enumerate(codes) if c is not None and c != 0), None)
+            if failed is not None:
+                which, code = failed
+                tail = ranks[which].result()
+                lines = (tail.stderr.strip() or tail.stdout.strip()).splitlines()[-1:]
+                raise UserError(f"real run failed: {describe(which, code)}: {' '.join(lines)}")
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                raise UserError(f"real run did not finish within {timeout_s:.0f} s; stopped all ranks")
+            time.sleep(POLL_S)
+    finally:
+        for child in ranks:
+            with contextlib.suppress(OSError):
+                child.result()  # stops a rank still running; its server serves on
+
+
+def _fresh_ranks(module: str, args: list[str], nproc: int, timeout_s: float) -> None:
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(nproc)]
         port = free_port()

@@ -262,6 +262,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
+    # threads per rank come from OMP_NUM_THREADS, set by the launcher as torchrun does (cores /
+    # ranks); a rank forked from a preloaded server (validation.launch) has the server's OpenMP
+    # settings, which read the variable when torch was imported there, so set them here
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.get("timeout_s", 300)))
     try:
@@ -276,5 +281,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # threads per rank come from OMP_NUM_THREADS, set by the launcher as torchrun does (cores / ranks)
     sys.exit(main(sys.argv[1:]))
