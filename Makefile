@@ -25,9 +25,10 @@ lint: install
 	$(BIN)/ruff format --check sim calibrate validation hfmodel tests bench
 	$(BIN)/mypy
 
-# two workers, one test file each (a file's module fixtures, e.g. its calibrated profile, run once)
+# two workers, one test file each (a file's module fixtures, e.g. its calibrated profile, run once),
+# in collection order: the longest files first (tests/conftest.py, LONGEST_FIRST)
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(BIN)/python -m bench
