@@ -159,8 +159,12 @@ def run_module(
                 code = _served(_Server(), request, module, timeout_s)
             except OSError as e:  # a failed child, which callers report in one line
                 return ChildResult(returncode=1, stdout="", stderr=f"python -m {SERVER_MODULE} ended: {e}\n")
-        read = lambda path: path.read_text(errors="replace") if path.exists() else ""  # noqa: E731
-        return ChildResult(returncode=code, stdout=read(out), stderr=read(err))
+        return ChildResult(returncode=code, stdout=_read(out), stderr=_read(err))
+
+
+def _read(path: Path) -> str:
+    """A child's captured output (empty when it never wrote any)."""
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def _served(server: _Server, request: dict[str, object], module: str, timeout_s: float) -> int:
@@ -180,16 +184,17 @@ def _served(server: _Server, request: dict[str, object], module: str, timeout_s:
 class RunningChild:
     """A child started by ``start_module``, running beside the caller until it ends or is killed."""
 
-    def __init__(self, module: str, request: dict[str, object], folder: tempfile.TemporaryDirectory[str]):
-        self.module = module
+    def __init__(self, request: dict[str, object], folder: tempfile.TemporaryDirectory[str]):
         self._folder = folder
         self._server = _take()
         self._server.send(request)  # not waiting: servers started for several children import at once
         self._pid: int | None = None
         self.returncode: int | None = None
+        self._result: ChildResult | None = None
 
     @property
     def pid(self) -> int:
+        """The child's pid, once its server has forked it (a server just started imports first)."""
         if self._pid is None:
             self._pid = self._server.started()
         return self._pid
@@ -197,7 +202,7 @@ class RunningChild:
     def poll(self, timeout_s: float | None = 0.0) -> int | None:
         """The exit code once the child has ended (waiting up to ``timeout_s``), else None."""
         if self.returncode is None:
-            assert self.pid  # the "started" reply comes first
+            _ = self.pid  # the server's "started" reply comes before its "ended" one
             self.returncode = self._server.ended(timeout_s)
             if self.returncode is not None:
                 with _lock:
@@ -212,15 +217,17 @@ class RunningChild:
             self.poll(None)
 
     def result(self) -> ChildResult:
-        """Its exit code and captured output (killed first if still running); call once."""
-        self.kill()
-        folder = Path(self._folder.name)
-        read = lambda path: path.read_text(errors="replace") if path.exists() else ""  # noqa: E731
-        out = ChildResult(
-            returncode=self.returncode or 0, stdout=read(folder / "stdout"), stderr=read(folder / "stderr")
-        )
-        self._folder.cleanup()
-        return out
+        """Its exit code and captured output (killed first if still running)."""
+        if self._result is None:
+            self.kill()
+            folder = Path(self._folder.name)
+            self._result = ChildResult(
+                returncode=self.returncode or 0,
+                stdout=_read(folder / "stdout"),
+                stderr=_read(folder / "stderr"),
+            )
+            self._folder.cleanup()
+        return self._result
 
 
 def start_module(
@@ -239,4 +246,4 @@ def start_module(
         "stderr": str(Path(folder.name) / "stderr"),
         "preload": list(preload),
     }
-    return RunningChild(module, request, folder)
+    return RunningChild(request, folder)

@@ -18,6 +18,10 @@ from pathlib import Path
 rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
 mode = sys.argv[1]
 Path(sys.argv[2], f"rank{rank}").write_text(f"{world} {os.environ['MASTER_PORT']} {os.getpid()}")
+while mode in ("fail", "orphan") and rank == "1" and not Path(sys.argv[2], "rank0").exists():
+    time.sleep(0.01)  # rank 0 has started
+if mode == "orphan" and rank == "1":  # its fork server killed from outside
+    os.kill(os.getppid(), 9)
 if mode == "fail" and rank == "1":
     print("rank one gives up", file=sys.stderr)
     sys.exit(3)
@@ -41,6 +45,22 @@ def job(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Monk
     return out
 
 
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
+    """No such process, or one that has ended and waits to be reaped (an orphan's parent is init),
+    within ``wait_s`` (a SIGKILL sent to a process nobody waits for lands a moment later)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        stat = Path(f"/proc/{pid}/stat")
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 def _ranks(out: Path) -> list[list[str]]:
     return [(out / f"rank{r}").read_text().split() for r in range(2)]
 
@@ -59,15 +79,21 @@ def test_a_failing_rank_stops_the_others_and_is_named_in_one_line(job: Path) -> 
     with pytest.raises(UserError, match=r"^real run failed: rank 1 exited with code 3: rank one gives up$"):
         run_ranks("rank_job", ["fail", str(job)], 2, timeout_s=120)
     assert time.monotonic() - started < 60  # rank 0 (asleep for 120 s) was stopped, not waited for
-    pid = int(_ranks(job)[0][2])
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    assert _gone(int(_ranks(job)[0][2]))
 
 
 def test_a_run_past_its_limit_is_stopped(job: Path) -> None:
     with pytest.raises(UserError, match=r"^real run did not finish within 3 s; stopped all ranks$"):
         run_ranks("rank_job", ["hang", str(job)], 2, timeout_s=3)
-    for _, _, pid in _ranks(job):
-        with pytest.raises(ProcessLookupError):
-            os.kill(int(pid), 0)
+    assert all(_gone(int(pid)) for _, _, pid in _ranks(job))
     run_ranks("rank_job", ["ok", str(job)], 2, timeout_s=120)  # the servers reaped them and serve on
+
+
+def test_a_rank_whose_server_is_killed_ends_the_run_in_one_line(job: Path) -> None:
+    if not validation.launch.NVIDIA_DRIVER.exists():  # forked ranks only: a fresh one has no server
+        with pytest.raises(
+            UserError, match=r"^real run failed: a rank's fork server ended .*; stopped all ranks$"
+        ):
+            run_ranks("rank_job", ["orphan", str(job)], 2, timeout_s=60)
+        assert all(_gone(int(pid)) for _, _, pid in _ranks(job))  # both ranks stopped
+    run_ranks("rank_job", ["ok", str(job)], 2, timeout_s=120)  # a fresh server replaces the dead one

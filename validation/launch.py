@@ -45,26 +45,34 @@ def _forked_ranks(module: str, args: list[str], nproc: int, timeout_s: float) ->
         for r in range(nproc):
             env = worker_env(r, nproc, port, command)
             ranks.append(start_module(module, args, env=env, cwd=os.getcwd(), preload=RANK_PRELOAD))
-        for child in ranks:  # every rank forked (a server started now imports first): the limit starts
-            assert child.pid
-        deadline = time.monotonic() + timeout_s
-        while True:
-            codes = [rank.poll() for rank in ranks]
-            failed = next(((r, c) for r, c in enumerate(codes) if c is not None and c != 0), None)
-            if failed is not None:
-                which, code = failed
-                tail = ranks[which].result()
-                lines = (tail.stderr.strip() or tail.stdout.strip()).splitlines()[-1:]
-                raise UserError(f"real run failed: {describe(which, code)}: {' '.join(lines)}")
-            if all(c == 0 for c in codes):
-                return
-            if time.monotonic() > deadline:
-                raise UserError(f"real run did not finish within {timeout_s:.0f} s; stopped all ranks")
-            time.sleep(POLL_S)
+        _watch(ranks, timeout_s)
+    except OSError as e:  # a rank's server ended (killed from outside)
+        raise UserError(f"real run failed: a rank's fork server ended ({e}); stopped all ranks") from None
     finally:
         for child in ranks:
             with contextlib.suppress(OSError):
                 child.result()  # stops a rank still running; its server serves on
+
+
+def _watch(ranks: list[RunningChild], timeout_s: float) -> None:
+    """Wait for every rank to exit 0; raise UserError at the first that fails or past the limit,
+    which starts once every rank is forked (a server started now imports first)."""
+    for child in ranks:
+        _ = child.pid
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [rank.poll() for rank in ranks]
+        failed = next(((r, c) for r, c in enumerate(codes) if c is not None and c != 0), None)
+        if failed is not None:
+            which, code = failed
+            tail = ranks[which].result()
+            lines = (tail.stderr.strip() or tail.stdout.strip()).splitlines()[-1:]
+            raise UserError(f"real run failed: {describe(which, code)}: {' '.join(lines)}")
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            raise UserError(f"real run did not finish within {timeout_s:.0f} s; stopped all ranks")
+        time.sleep(POLL_S)
 
 
 def _fresh_ranks(module: str, args: list[str], nproc: int, timeout_s: float) -> None:
