@@ -14,8 +14,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 WORKER_ENV = "FSDPSIM_CALIBRATE_WORKER"
 COMMAND_ENV = "FSDPSIM_CALIBRATE_COMMAND"
@@ -101,7 +103,13 @@ def describe(rank: int, code: int) -> str:
     return f"rank {rank} exited with code {code}"
 
 
-def wait_all(procs: list[subprocess.Popen], deadline: float | None = None) -> list[tuple[int, int]]:
+class Polled(Protocol):
+    """A running rank: ``subprocess.Popen``, or ``sim.childproc.RunningChild`` (a forked one)."""
+
+    def poll(self) -> int | None: ...
+
+
+def wait_all(procs: Sequence[Polled], deadline: float | None = None) -> list[tuple[int, int]]:
     """Poll the ranks until all exit 0 (returns []) or some fail (returns their (rank, code)).
 
     Raises TimeoutError once ``deadline`` (a ``time.monotonic()`` value) passes; stopping the

@@ -24,7 +24,6 @@ from sim.errors import UserError
 
 # what every rank imports before it runs (the worker's own imports, the model class it builds)
 RANK_PRELOAD = ("validation.worker", "validation.build", "transformers.models.llama.modeling_llama")
-POLL_S = 0.05
 NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")  # present where NVIDIA's kernel driver is loaded
 
 
@@ -59,20 +58,14 @@ def _watch(ranks: list[RunningChild], timeout_s: float) -> None:
     which starts once every rank is forked (a server started now imports first)."""
     for child in ranks:
         _ = child.pid
-    deadline = time.monotonic() + timeout_s
-    while True:
-        codes = [rank.poll() for rank in ranks]
-        failed = next(((r, c) for r, c in enumerate(codes) if c is not None and c != 0), None)
-        if failed is not None:
-            which, code = failed
-            tail = ranks[which].result()
-            lines = (tail.stderr.strip() or tail.stdout.strip()).splitlines()[-1:]
-            raise UserError(f"real run failed: {describe(which, code)}: {' '.join(lines)}")
-        if all(c == 0 for c in codes):
-            return
-        if time.monotonic() > deadline:
-            raise UserError(f"real run did not finish within {timeout_s:.0f} s; stopped all ranks")
-        time.sleep(POLL_S)
+    try:
+        failed = wait_all(ranks, time.monotonic() + timeout_s)
+    except TimeoutError:
+        raise UserError(_timed_out(timeout_s)) from None
+    if failed:
+        rank, code = failed[0]
+        output = ranks[rank].result()
+        raise UserError(_failed(rank, code, output.stderr.strip() or output.stdout))
 
 
 def _fresh_ranks(module: str, args: list[str], nproc: int, timeout_s: float) -> None:
@@ -93,7 +86,7 @@ def _fresh_ranks(module: str, args: list[str], nproc: int, timeout_s: float) -> 
             failed = wait_all(procs, time.monotonic() + timeout_s)
         except TimeoutError:
             stop(procs)
-            raise UserError(f"real run did not finish within {timeout_s:.0f} s; stopped all ranks") from None
+            raise UserError(_timed_out(timeout_s)) from None
         except BaseException:
             stop(procs)
             raise
@@ -101,8 +94,17 @@ def _fresh_ranks(module: str, args: list[str], nproc: int, timeout_s: float) -> 
             stop(procs)
             rank, code = failed[0]
             logs[rank].seek(0)
-            tail = logs[rank].read().decode(errors="replace").strip().splitlines()[-1:]
-            raise UserError(f"real run failed: {describe(rank, code)}: {' '.join(tail)}")
+            raise UserError(_failed(rank, code, logs[rank].read().decode(errors="replace")))
+
+
+def _failed(rank: int, code: int, output: str) -> str:
+    """The one line a failed rank ends the run with: which rank, how, and its output's last line."""
+    tail = output.strip().splitlines()[-1:]
+    return f"real run failed: {describe(rank, code)}: {' '.join(tail)}"
+
+
+def _timed_out(timeout_s: float) -> str:
+    return f"real run did not finish within {timeout_s:.0f} s; stopped all ranks"
 
 
 def run_real(spec: dict, nproc: int, timeout_s: float) -> list[dict]:
