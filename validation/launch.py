@@ -22,8 +22,9 @@ from calibrate.launch import describe, free_port, stop, wait_all, worker_env
 from sim.childproc import RunningChild, start_module
 from sim.errors import UserError
 
-# what every rank imports before it runs (the worker's own imports, the model class it builds)
-RANK_PRELOAD = ("validation.worker", "validation.build", "transformers.models.llama.modeling_llama")
+# what every rank imports before it runs: the worker (with its own imports) and the model class it
+# builds, which transformers imports lazily
+RANK_PRELOAD = ("validation.worker", "transformers.models.llama.modeling_llama")
 NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")  # present where NVIDIA's kernel driver is loaded
 
 
